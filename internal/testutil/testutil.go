@@ -1,0 +1,155 @@
+// Package testutil holds helpers shared by meshcni's tests: the CI skip policy and
+// throwaway network namespaces.
+//
+// The policy: a test that needs root, a binary or a built component may skip only
+// outside CI. When CI=true, a missing requirement fails the test instead.
+package testutil
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sync/atomic"
+	"testing"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"golang.org/x/sys/unix"
+)
+
+// InCI reports whether the tests run under CI (CI=true).
+func InCI() bool { return os.Getenv("CI") == "true" }
+
+// Missing skips the test outside CI and fails it under CI, with the reason.
+func Missing(t testing.TB, format string, args ...any) {
+	t.Helper()
+	msg := fmt.Sprintf(format, args...)
+	if InCI() {
+		t.Fatalf("required under CI=true: %s", msg)
+	}
+	t.Skipf("skipped outside CI: %s", msg)
+}
+
+// RequireRoot needs uid 0 (network namespaces, rules, setuid listeners).
+func RequireRoot(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		Missing(t, "test needs root")
+	}
+}
+
+// RequireBinary returns the path of a program on PATH, or skips/fails.
+func RequireBinary(t testing.TB, name string) string {
+	t.Helper()
+	p, err := exec.LookPath(name)
+	if err != nil {
+		Missing(t, "program %q not found on PATH", name)
+	}
+	return p
+}
+
+// SharedDir returns ../shared/<rel> from the repository root, or skips/fails when it
+// is absent (a user's clone has no ../shared).
+func SharedDir(t testing.TB, rel string) string {
+	t.Helper()
+	root, err := RepoRoot()
+	if err != nil {
+		t.Fatalf("repo root: %v", err)
+	}
+	p := filepath.Join(filepath.Dir(root), "shared", rel)
+	if _, err := os.Stat(p); err != nil {
+		Missing(t, "shared data %s is missing: %v", p, err)
+	}
+	return p
+}
+
+// RepoRoot finds the directory holding go.mod, walking up from the working directory.
+func RepoRoot() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", fmt.Errorf("no go.mod above the working directory")
+		}
+		dir = parent
+	}
+}
+
+var nsCounter atomic.Uint64
+
+// NewNetns creates a fresh named network namespace (bind-mounted under /run/netns, so
+// `ip netns` and `nsenter` see it) with loopback up, and removes it when the test ends.
+// It returns the namespace's path.
+func NewNetns(t testing.TB) string {
+	t.Helper()
+	RequireRoot(t)
+	name := fmt.Sprintf("mcni-t%d-%d", os.Getpid(), nsCounter.Add(1))
+	path, err := CreateNetns(name)
+	if err != nil {
+		t.Fatalf("create netns: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := DeleteNetns(path); err != nil {
+			t.Errorf("delete netns %s: %v", path, err)
+		}
+	})
+	return path
+}
+
+// CreateNetns creates /run/netns/<name> the way `ip netns add` does and brings lo up.
+func CreateNetns(name string) (string, error) {
+	const dir = "/run/netns"
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", err
+	}
+	path := filepath.Join(dir, name)
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_RDONLY, 0o444)
+	if err != nil {
+		return "", fmt.Errorf("create %s: %w", path, err)
+	}
+	f.Close()
+
+	errc := make(chan error, 1)
+	go func() {
+		// A fresh thread: unshare its netns, bind-mount it, and let the thread die
+		// (never UnlockOSThread) so no goroutine inherits the new namespace.
+		runtime.LockOSThread()
+		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+			errc <- fmt.Errorf("unshare: %w", err)
+			return
+		}
+		src := fmt.Sprintf("/proc/%d/task/%d/ns/net", os.Getpid(), unix.Gettid())
+		if err := unix.Mount(src, path, "none", unix.MS_BIND, ""); err != nil {
+			errc <- fmt.Errorf("bind mount %s: %w", src, err)
+			return
+		}
+		errc <- nil
+	}()
+	if err := <-errc; err != nil {
+		os.Remove(path)
+		return "", err
+	}
+	if err := ns.WithNetNSPath(path, func(ns.NetNS) error { return LinkUp("lo") }); err != nil {
+		_ = DeleteNetns(path)
+		return "", err
+	}
+	return path, nil
+}
+
+// DeleteNetns unmounts and removes a namespace made by CreateNetns.
+func DeleteNetns(path string) error {
+	if err := unix.Unmount(path, unix.MNT_DETACH); err != nil && err != unix.EINVAL && err != unix.ENOENT {
+		return fmt.Errorf("unmount %s: %w", path, err)
+	}
+	if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
+		return err
+	}
+	return nil
+}
