@@ -8,4 +8,9 @@ require (
 	golang.org/x/sys v0.50.0
 )
 
-require github.com/vishvananda/netns v0.0.5 // indirect
+require (
+	github.com/inconshreveable/mousetrap v1.1.0 // indirect
+	github.com/spf13/cobra v1.10.2 // indirect
+	github.com/spf13/pflag v1.0.9 // indirect
+	github.com/vishvananda/netns v0.0.5 // indirect
+)
