@@ -1,0 +1,365 @@
+// Package confdir finds the node's primary CNI configuration in a directory the way
+// kubelet and libcni do, and installs, checks and removes meshcni's configuration there.
+// It is the agent's side of pkg/cniconf; the plugin needs only pkg/cniconf.
+package confdir
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+
+	"github.com/containernetworking/cni/libcni"
+
+	"github.com/meshcni/meshcni/pkg/cniconf"
+	"github.com/meshcni/meshcni/pkg/fileutil"
+)
+
+// Extensions are the configuration file extensions kubelet and the runtimes load.
+var Extensions = []string{".conf", ".conflist", ".json"}
+
+// ErrNoPrimary: the configuration directory holds no valid configuration (yet).
+var ErrNoPrimary = errors.New("no primary CNI configuration")
+
+// ErrChanged: a file changed while it was being rewritten; the write was abandoned.
+var ErrChanged = errors.New("file changed concurrently")
+
+// Options say where and how meshcni's configuration goes.
+type Options struct {
+	// Dir is the CNI configuration directory (kubelet's --cni-conf-dir).
+	Dir string
+	// FileName, when not empty, names the primary configuration file instead of the
+	// lexically first valid one.
+	FileName string
+	// Chained injects Entry into the primary configuration; otherwise meshcni writes
+	// its own list, StandaloneFile.
+	Chained bool
+	// StandaloneFile is the file name of the standalone list (default meshcni.conflist).
+	StandaloneFile string
+	// Entry is meshcni's plugin entry.
+	Entry cniconf.PluginEntry
+}
+
+func (o Options) standalonePath() string {
+	name := o.StandaloneFile
+	if name == "" {
+		name = "meshcni.conflist"
+	}
+	return filepath.Join(o.Dir, name)
+}
+
+// ValidList reports whether data is a configuration list libcni would load: kubelet and
+// the container runtimes skip files for which this fails.
+func ValidList(data []byte) error {
+	list, err := libcni.NetworkConfFromBytes(data)
+	if err != nil {
+		return err
+	}
+	if len(list.Plugins) == 0 {
+		return errors.New("no plugin configs found")
+	}
+	return nil
+}
+
+// ValidConf reports whether data is a single-plugin configuration (.conf, .json) libcni
+// would load.
+func ValidConf(data []byte) error {
+	_, err := libcni.NetworkPluginConfFromBytes(data)
+	return err
+}
+
+// Primary is a configuration file as read, with the identity of what was read.
+type Primary struct {
+	Path   string
+	Data   []byte
+	IsList bool
+	Mode   fs.FileMode
+	id     fileID
+}
+
+// Skipped is a configuration file passed over because libcni would not load it.
+type Skipped struct {
+	Path string
+	Err  error
+}
+
+type fileID struct {
+	dev, ino uint64
+	size     int64
+	mtime    int64
+}
+
+func idOf(fi fs.FileInfo) fileID {
+	id := fileID{size: fi.Size(), mtime: fi.ModTime().UnixNano()}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		id.dev, id.ino = uint64(st.Dev), st.Ino
+	}
+	return id
+}
+
+func readFile(path string) (data []byte, mode fs.FileMode, id fileID, err error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, 0, id, err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, 0, id, err
+	}
+	if !fi.Mode().IsRegular() {
+		return nil, 0, id, fmt.Errorf("%s is not a regular file", path)
+	}
+	data, err = io.ReadAll(f)
+	return data, fi.Mode().Perm(), idOf(fi), err
+}
+
+// ListFiles returns the configuration files of dir in the order kubelet tries them.
+// A missing directory holds no files.
+func ListFiles(dir string) ([]string, error) {
+	files, err := libcni.ConfFiles(dir, Extensions)
+	if err != nil {
+		return nil, fmt.Errorf("list CNI configuration directory %s: %w", dir, err)
+	}
+	if files == nil {
+		if _, err := os.Stat(dir); err != nil {
+			return nil, fmt.Errorf("CNI configuration directory: %w", err)
+		}
+	}
+	slices.Sort(files)
+	return files, nil
+}
+
+// FindPrimary returns the configuration kubelet would use: the file fileName when it
+// is set, else the lexically first file in dir that libcni loads. Files it passes over
+// are returned in skipped. It returns ErrNoPrimary when there is none.
+func FindPrimary(dir, fileName string) (p *Primary, skipped []Skipped, err error) {
+	var files []string
+	if fileName != "" {
+		files = []string{filepath.Join(dir, fileName)}
+		if _, err := os.Stat(dir); err != nil {
+			return nil, nil, fmt.Errorf("CNI configuration directory: %w", err)
+		}
+	} else if files, err = ListFiles(dir); err != nil {
+		return nil, nil, err
+	}
+	for _, path := range files {
+		data, mode, id, err := readFile(path)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue // removed since listed
+		}
+		if err != nil {
+			return nil, skipped, fmt.Errorf("read CNI configuration: %w", err)
+		}
+		isList := strings.HasSuffix(path, ".conflist")
+		if isList {
+			err = ValidList(data)
+		} else {
+			err = ValidConf(data)
+		}
+		if err != nil {
+			if fileName != "" {
+				return nil, skipped, fmt.Errorf("CNI configuration %s is invalid: %w", path, err)
+			}
+			skipped = append(skipped, Skipped{Path: path, Err: err})
+			continue
+		}
+		return &Primary{Path: path, Data: data, IsList: isList, Mode: mode, id: id}, skipped, nil
+	}
+	return nil, skipped, fmt.Errorf("%w in %s", ErrNoPrimary, dir)
+}
+
+// Result says what Install did.
+type Result struct {
+	// Path is the file holding meshcni's entry.
+	Path string
+	// Changed: a file was written.
+	Changed bool
+	// Missing: the entry was absent before (a first install or a re-injection).
+	Missing bool
+	// Converted is the single-configuration file replaced by Path, if any.
+	Converted string
+	// Cleaned are other files a stale meshcni entry was removed from.
+	Cleaned []string
+	// Skipped are files libcni would not load.
+	Skipped []Skipped
+}
+
+// Install puts meshcni's entry in place: injected into the primary configuration
+// (chained) or as its own list (standalone). It writes nothing when all is in place.
+// On ErrChanged (the primary was rewritten under it) it retries a few times.
+func Install(o Options) (Result, error) {
+	if err := o.Entry.Validate(); err != nil {
+		return Result{}, err
+	}
+	if !o.Chained {
+		return installStandalone(o)
+	}
+	var res Result
+	var err error
+	for range 5 {
+		res, err = installChained(o)
+		if !errors.Is(err, ErrChanged) {
+			break
+		}
+	}
+	return res, err
+}
+
+func installStandalone(o Options) (Result, error) {
+	path := o.standalonePath()
+	want, err := cniconf.Standalone(cniconf.PluginType, o.Entry)
+	if err != nil {
+		return Result{}, err
+	}
+	res := Result{Path: path}
+	have, err := os.ReadFile(path)
+	if err == nil && bytes.Equal(have, want) {
+		return res, nil
+	}
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return res, fmt.Errorf("read %s: %w", path, err)
+	}
+	res.Missing = err != nil || cniconf.CheckEntry(have, o.Entry) != nil
+	if err := fileutil.WriteFileAtomic(path, want, 0o644); err != nil {
+		return res, err
+	}
+	res.Changed = true
+	return res, nil
+}
+
+func installChained(o Options) (Result, error) {
+	p, skipped, err := FindPrimary(o.Dir, o.FileName)
+	res := Result{Skipped: skipped}
+	if err != nil {
+		return res, err
+	}
+	res.Path = p.Path
+	if p.IsList {
+		err := cniconf.CheckEntry(p.Data, o.Entry)
+		if err == nil {
+			res.Cleaned, err = cleanOthers(o.Dir, p.Path)
+			return res, err
+		}
+		res.Missing = errors.Is(err, cniconf.ErrNoEntry)
+	} else {
+		res.Missing = true
+	}
+	base := strings.TrimSuffix(filepath.Base(p.Path), filepath.Ext(p.Path))
+	out, err := cniconf.Inject(p.Data, p.IsList, base, o.Entry)
+	if err != nil {
+		return res, fmt.Errorf("inject into %s: %w", p.Path, err)
+	}
+	target := p.Path
+	if !p.IsList {
+		target = filepath.Join(o.Dir, base+".conflist")
+	}
+	if err := writeIfUnchanged(target, out, p); err != nil {
+		return res, err
+	}
+	res.Path, res.Changed = target, true
+	if !p.IsList {
+		if err := os.Remove(p.Path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return res, fmt.Errorf("remove converted %s: %w", p.Path, err)
+		}
+		res.Converted = p.Path
+	}
+	res.Cleaned, err = cleanOthers(o.Dir, target)
+	return res, err
+}
+
+// writeIfUnchanged writes data to target, the file read as p keeping its mode, unless
+// p's file changed since it was read.
+func writeIfUnchanged(target string, data []byte, p *Primary) error {
+	return fileutil.WriteAtomic(target, bytes.NewReader(data), p.Mode, func() error {
+		fi, err := os.Stat(p.Path)
+		if err != nil || idOf(fi) != p.id {
+			return fmt.Errorf("%s: %w", p.Path, ErrChanged)
+		}
+		return nil
+	})
+}
+
+// cleanOthers removes meshcni entries from the configuration lists of dir other than
+// keep (left over from a file that was the primary before).
+func cleanOthers(dir, keep string) ([]string, error) {
+	return removeEntries(dir, keep)
+}
+
+func removeEntries(dir, keep string) ([]string, error) {
+	files, err := ListFiles(dir)
+	if err != nil {
+		return nil, err
+	}
+	var cleaned []string
+	var errs []error
+	for _, path := range files {
+		if path == keep || !strings.HasSuffix(path, ".conflist") {
+			continue
+		}
+		data, mode, id, err := readFile(path)
+		if err != nil {
+			continue
+		}
+		if ValidList(data) != nil {
+			continue
+		}
+		out, n, err := cniconf.Remove(data)
+		if err != nil || n == 0 {
+			continue
+		}
+		p := &Primary{Path: path, Mode: mode, id: id}
+		if err := writeIfUnchanged(path, out, p); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		cleaned = append(cleaned, path)
+	}
+	return cleaned, errors.Join(errs...)
+}
+
+// Uninstall removes meshcni's configuration: the standalone list, or every meshcni
+// entry from the lists in the directory. It returns the files it changed or removed.
+func Uninstall(o Options) ([]string, error) {
+	if !o.Chained {
+		path := o.standalonePath()
+		if err := os.Remove(path); err != nil {
+			if errors.Is(err, fs.ErrNotExist) {
+				return nil, nil
+			}
+			return nil, fmt.Errorf("remove %s: %w", path, err)
+		}
+		return []string{path}, nil
+	}
+	return removeEntries(o.Dir, "")
+}
+
+// Check returns the file holding meshcni's entry, or why it is not in place: a live
+// check for readiness.
+func Check(o Options) (string, error) {
+	if !o.Chained {
+		path := o.standalonePath()
+		data, err := os.ReadFile(path)
+		if err != nil {
+			return path, err
+		}
+		return path, cniconf.CheckEntry(data, o.Entry)
+	}
+	p, _, err := FindPrimary(o.Dir, o.FileName)
+	if err != nil {
+		return "", err
+	}
+	if !p.IsList {
+		return p.Path, fmt.Errorf("%s: %w (a single configuration, not converted)", p.Path, cniconf.ErrNoEntry)
+	}
+	if err := cniconf.CheckEntry(p.Data, o.Entry); err != nil {
+		return p.Path, fmt.Errorf("%s: %w", p.Path, err)
+	}
+	return p.Path, nil
+}
