@@ -1,0 +1,9 @@
+package conformance
+
+import "os/exec"
+
+func runCmd(path string, args ...string) ([]byte, error) {
+	return exec.Command(path, args...).CombinedOutput()
+}
+
+func lookPath(name string) (string, error) { return exec.LookPath(name) }
