@@ -380,8 +380,8 @@ func (p *Proxy) closeAll() {
 	}
 }
 
-// emit stores r, stamps it and hands it to OnRecord.
-func (p *Proxy) emit(r Record) {
+// emit stamps r, stores it, hands it to OnRecord and returns the stamped record.
+func (p *Proxy) emit(r Record) Record {
 	r.UID, r.GID = os.Getuid(), os.Getgid()
 	if r.Time.IsZero() {
 		r.Time = time.Now().UTC()
@@ -395,6 +395,7 @@ func (p *Proxy) emit(r Record) {
 	if p.cfg.OnRecord != nil {
 		p.cfg.OnRecord(r)
 	}
+	return r
 }
 
 // Records returns a copy of the records kept so far, oldest first.

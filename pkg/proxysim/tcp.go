@@ -73,7 +73,7 @@ func (p *Proxy) handleConn(ctx context.Context, l *tcpListener, c *net.TCPConn) 
 	}
 
 	if p.cfg.Mode == ModeRecord {
-		p.emit(rec)
+		rec = p.emit(rec)
 		p.log.Info("connection", "listener", rec.Listener, "peer", rec.Peer, "orig_dst", rec.OrigDst, "mode", p.cfg.Mode)
 		_ = c.SetWriteDeadline(time.Now().Add(p.cfg.IdleTimeout))
 		b, _ := json.Marshal(rec)

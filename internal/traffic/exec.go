@@ -1,0 +1,146 @@
+package traffic
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os/exec"
+	"runtime"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"golang.org/x/sys/unix"
+
+	"github.com/meshcni/meshcni/internal/testutil"
+)
+
+// ProxyUID is Istio's proxy UID and GID (istio-proxy, 1337).
+const ProxyUID = 1337
+
+// Cred is the identity a child process runs as.
+type Cred struct {
+	UID, GID uint32
+	// NetAdmin raises CAP_NET_ADMIN as an ambient capability (IP_TRANSPARENT).
+	NetAdmin bool
+}
+
+// ProxyCred is UID/GID 1337.
+var ProxyCred = Cred{UID: ProxyUID, GID: ProxyUID}
+
+// Root is UID/GID 0.
+var Root = Cred{}
+
+// StartInNetns starts cmd inside the network namespace at nsPath as cred and returns a
+// channel that receives cmd.Wait's result. cmd.SysProcAttr is replaced. The starting
+// thread is locked, moved into the namespace and never returned to the scheduler.
+func StartInNetns(nsPath string, cred Cred, cmd *exec.Cmd) (<-chan error, error) {
+	attr := &syscall.SysProcAttr{
+		Credential: &syscall.Credential{Uid: cred.UID, Gid: cred.GID, Groups: []uint32{}},
+		Pdeathsig:  syscall.SIGKILL,
+		Setpgid:    true,
+	}
+	if cred.NetAdmin {
+		attr.AmbientCaps = []uintptr{unix.CAP_NET_ADMIN}
+	}
+	cmd.SysProcAttr = attr
+	if cmd.Dir == "" {
+		cmd.Dir = "/"
+	}
+	started := make(chan error, 1)
+	done := make(chan error, 1)
+	go func() {
+		// Never UnlockOSThread: this thread ends up in another namespace, so it must
+		// exit with the goroutine. It also anchors Pdeathsig: it lives until the child
+		// has been waited for.
+		runtime.LockOSThread()
+		target, err := ns.GetNS(nsPath)
+		if err != nil {
+			started <- fmt.Errorf("open netns %s: %w", nsPath, err)
+			return
+		}
+		err = target.Set()
+		target.Close()
+		if err != nil {
+			started <- fmt.Errorf("enter netns %s: %w", nsPath, err)
+			return
+		}
+		if err := cmd.Start(); err != nil {
+			started <- fmt.Errorf("start %s: %w", cmd.Path, err)
+			return
+		}
+		started <- nil
+		done <- cmd.Wait()
+	}()
+	if err := <-started; err != nil {
+		return nil, err
+	}
+	return done, nil
+}
+
+// RunInNetns runs a program to completion inside the namespace as cred, bounded by
+// timeout (the child is killed when it expires), and returns its stdout. The error
+// includes stderr.
+func RunInNetns(nsPath string, cred Cred, timeout time.Duration, bin string, args ...string) ([]byte, error) {
+	var stdout, stderr bytes.Buffer
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	done, err := StartInNetns(nsPath, cred, cmd)
+	if err != nil {
+		return nil, err
+	}
+	timer := time.NewTimer(timeout)
+	defer timer.Stop()
+	select {
+	case err = <-done:
+	case <-timer.C:
+		_ = cmd.Process.Kill()
+		<-done
+		return stdout.Bytes(), fmt.Errorf("%s %q: killed after %v: stderr: %s", bin, args, timeout, stderr.Bytes())
+	}
+	if err != nil {
+		return stdout.Bytes(), fmt.Errorf("%s %q: %w: stderr: %s", bin, args, err, stderr.Bytes())
+	}
+	return stdout.Bytes(), nil
+}
+
+// ExitCode returns the exit code carried by an error from RunInNetns (-1 if none).
+func ExitCode(err error) int {
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		return ee.ExitCode()
+	}
+	if err == nil {
+		return 0
+	}
+	return -1
+}
+
+// MustRun runs a program as root inside the namespace (e.g. a test's hand-written
+// iptables-nft rule) and fails the test on error.
+func MustRun(t testing.TB, nsPath, bin string, args ...string) []byte {
+	t.Helper()
+	out, err := RunInNetns(nsPath, Root, 30*time.Second, bin, args...)
+	if err != nil {
+		t.Fatalf("in %s: %v", nsPath, err)
+	}
+	return out
+}
+
+// Iptables runs iptables-nft (or ip6tables-nft when v6) as root in the namespace; for
+// tests' own hand-written rules.
+func Iptables(t testing.TB, nsPath string, v6 bool, args ...string) {
+	t.Helper()
+	name := "iptables-nft"
+	if v6 {
+		name = "ip6tables-nft"
+	}
+	bin := testutil.RequireBinary(t, name)
+	MustRun(t, nsPath, bin, args...)
+}
+
+// InNetns runs fn on a thread inside the namespace (for in-process sockets).
+func InNetns(nsPath string, fn func() error) error {
+	return ns.WithNetNSPath(nsPath, func(ns.NetNS) error { return fn() })
+}
