@@ -1,0 +1,128 @@
+// Package engine is the one entry point the plugin, the agent's repair and
+// meshcnictl use to program a pod: it validates the spec, builds the ruleset,
+// chooses a backend, writes the rules and (for TPROXY / IPv6) the policy routing
+// and the ::6 passthrough address, all-or-nothing.
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/rules"
+	"github.com/meshcni/meshcni/pkg/spec"
+)
+
+// Options say where and how to apply.
+type Options struct {
+	// Backend is the explicit choice, or backend.Auto (see Select).
+	Backend backend.Kind
+	// NetnsPath is the pod's network namespace ("" = the current one).
+	NetnsPath string
+	Logger    *slog.Logger
+}
+
+func (o Options) log() *slog.Logger {
+	if o.Logger != nil {
+		return o.Logger
+	}
+	return slog.Default()
+}
+
+// Apply writes the pod's redirect and returns the backend that did it.
+func Apply(ctx context.Context, o Options, s *spec.Spec) (backend.Kind, error) {
+	if err := s.Validate(); err != nil {
+		return "", fmt.Errorf("invalid redirect spec: %w", err)
+	}
+	rs := rules.Build(s)
+	b, reason, err := Select(ctx, o.Backend, o.NetnsPath)
+	if err != nil {
+		return "", err
+	}
+	o.log().Debug("backend chosen", "backend", b.Kind(), "reason", reason, "netns", o.NetnsPath)
+	if err := b.Apply(ctx, o.NetnsPath, rs); err != nil {
+		return b.Kind(), fmt.Errorf("apply rules with %s: %w", b.Kind(), err)
+	}
+	if err := applyNetwork(o.NetnsPath, rs); err != nil {
+		if cerr := b.Clean(ctx, o.NetnsPath); cerr != nil {
+			err = errors.Join(err, fmt.Errorf("roll back rules: %w", cerr))
+		}
+		return b.Kind(), fmt.Errorf("policy routing: %w", err)
+	}
+	return b.Kind(), nil
+}
+
+// Check compares the namespace's live redirect with the spec's.
+func Check(ctx context.Context, o Options, s *spec.Spec) (backend.Drift, error) {
+	if err := s.Validate(); err != nil {
+		return backend.Drift{}, fmt.Errorf("invalid redirect spec: %w", err)
+	}
+	rs := rules.Build(s)
+	b, _, err := Select(ctx, o.Backend, o.NetnsPath)
+	if err != nil {
+		return backend.Drift{}, err
+	}
+	d, err := b.Check(ctx, o.NetnsPath, rs)
+	if err != nil {
+		return d, fmt.Errorf("check rules with %s: %w", b.Kind(), err)
+	}
+	missing, err := checkNetwork(o.NetnsPath, rs)
+	if err != nil {
+		return d, fmt.Errorf("check policy routing: %w", err)
+	}
+	d.Missing = append(d.Missing, missing...)
+	return d, nil
+}
+
+// Clean removes meshcni's rules from every backend that holds some (an explicit
+// backend cleans only itself), and the TPROXY policy routing.
+func Clean(ctx context.Context, o Options) error {
+	kinds := []backend.Kind{o.Backend}
+	if o.Backend == backend.Auto || o.Backend == "" {
+		var err error
+		if kinds, err = holders(o.NetnsPath); err != nil {
+			return err
+		}
+	}
+	var errs []error
+	for _, k := range kinds {
+		b, err := New(k)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if err := b.Clean(ctx, o.NetnsPath); err != nil {
+			errs = append(errs, fmt.Errorf("clean %s: %w", k, err))
+		}
+	}
+	if err := cleanNetwork(o.NetnsPath); err != nil {
+		errs = append(errs, fmt.Errorf("clean policy routing: %w", err))
+	}
+	return errors.Join(errs...)
+}
+
+// Live returns the live meshcni rules of whichever backends hold them.
+func Live(ctx context.Context, o Options) (map[backend.Kind]string, error) {
+	kinds := []backend.Kind{o.Backend}
+	if o.Backend == backend.Auto || o.Backend == "" {
+		var err error
+		if kinds, err = holders(o.NetnsPath); err != nil {
+			return nil, err
+		}
+	}
+	out := map[backend.Kind]string{}
+	for _, k := range kinds {
+		b, err := New(k)
+		if err != nil {
+			return nil, err
+		}
+		txt, err := b.Live(ctx, o.NetnsPath)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", k, err)
+		}
+		out[k] = txt
+	}
+	return out, nil
+}
