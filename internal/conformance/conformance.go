@@ -121,7 +121,7 @@ func Load(dir string) ([]Case, error) {
 }
 
 // splitWords splits a command line with single quotes, as the cases write them
-// (`-b '*'`, `-m ''`).
+// (`-b '*'`, `-m ”`).
 func splitWords(s string) ([]string, error) {
 	var out []string
 	var cur strings.Builder

@@ -28,7 +28,7 @@ func TestCasesParse(t *testing.T) {
 
 func TestSplitWords(t *testing.T) {
 	for in, want := range map[string][]string{
-		"-b '*' -m ''":      {"-b", "*", "-m", ""},
+		"-b '*' -m ''":     {"-b", "*", "-m", ""},
 		"-x 1.1.0.0/16 -i": {"-x", "1.1.0.0/16", "-i"},
 	} {
 		got, err := splitWords(in)

@@ -84,4 +84,3 @@ func holders(netns string) ([]backend.Kind, error) {
 	})
 	return kinds, err
 }
-
