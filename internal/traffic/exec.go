@@ -83,8 +83,14 @@ func StartInNetns(nsPath string, cred Cred, cmd *exec.Cmd) (<-chan error, error)
 // timeout (the child is killed when it expires), and returns its stdout. The error
 // includes stderr.
 func RunInNetns(nsPath string, cred Cred, timeout time.Duration, bin string, args ...string) ([]byte, error) {
+	return RunCmdInNetns(nsPath, cred, timeout, exec.Command(bin, args...))
+}
+
+// RunCmdInNetns is RunInNetns for a prepared command (set Env, Dir, Stdin on it);
+// Stdout and Stderr are captured here.
+func RunCmdInNetns(nsPath string, cred Cred, timeout time.Duration, cmd *exec.Cmd) ([]byte, error) {
 	var stdout, stderr bytes.Buffer
-	cmd := exec.Command(bin, args...)
+	bin, args := cmd.Path, cmd.Args[1:]
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	done, err := StartInNetns(nsPath, cred, cmd)
 	if err != nil {
