@@ -1,0 +1,27 @@
+package rules_test
+
+import (
+	"testing"
+
+	"github.com/meshcni/meshcni/pkg/rules"
+	"github.com/meshcni/meshcni/pkg/rules/iptables"
+	"github.com/meshcni/meshcni/pkg/spec"
+)
+
+func BenchmarkBuild(b *testing.B) {
+	s := spec.PodDefaults()
+	s.EnableIPv6 = true
+	for b.Loop() {
+		rules.Build(&s)
+	}
+}
+
+func BenchmarkBuildAndRenderIptables(b *testing.B) {
+	s := spec.PodDefaults()
+	s.EnableIPv6 = true
+	for b.Loop() {
+		rs := rules.Build(&s)
+		_ = iptables.Restore(rs, rules.V4)
+		_ = iptables.Restore(rs, rules.V6)
+	}
+}
