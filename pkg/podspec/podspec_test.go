@@ -1,0 +1,321 @@
+package podspec
+
+import (
+	"errors"
+	"net/netip"
+	"reflect"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/meshcni/meshcni/pkg/spec"
+)
+
+// PodOption mutates a test pod.
+type podOpt func(*corev1.Pod)
+
+func ann(k, v string) podOpt {
+	return func(p *corev1.Pod) {
+		if p.Annotations == nil {
+			p.Annotations = map[string]string{}
+		}
+		p.Annotations[k] = v
+	}
+}
+
+func label(k, v string) podOpt {
+	return func(p *corev1.Pod) {
+		if p.Labels == nil {
+			p.Labels = map[string]string{}
+		}
+		p.Labels[k] = v
+	}
+}
+
+func env(k, v string) podOpt {
+	return func(p *corev1.Pod) {
+		c, _ := FindProxy(p)
+		c.Env = append(c.Env, corev1.EnvVar{Name: k, Value: v})
+	}
+}
+
+func runAs(uid, gid *int64) podOpt {
+	return func(p *corev1.Pod) {
+		c, _ := FindProxy(p)
+		c.SecurityContext = &corev1.SecurityContext{RunAsUser: uid, RunAsGroup: gid}
+	}
+}
+
+func args(a ...string) podOpt {
+	return func(p *corev1.Pod) {
+		c, _ := FindProxy(p)
+		c.Args = a
+	}
+}
+
+var noProxy podOpt = func(p *corev1.Pod) { p.Spec.Containers = p.Spec.Containers[:1] }
+
+var nativeSidecar podOpt = func(p *corev1.Pod) {
+	always := corev1.ContainerRestartPolicyAlways
+	proxy := p.Spec.Containers[1]
+	proxy.RestartPolicy = &always
+	p.Spec.Containers = p.Spec.Containers[:1]
+	p.Spec.InitContainers = append(p.Spec.InitContainers, proxy)
+}
+
+var proxyAsPlainInit podOpt = func(p *corev1.Pod) {
+	proxy := p.Spec.Containers[1]
+	p.Spec.Containers = p.Spec.Containers[:1]
+	p.Spec.InitContainers = append(p.Spec.InitContainers, proxy)
+}
+
+var withIstioInit podOpt = func(p *corev1.Pod) {
+	p.Spec.InitContainers = append(p.Spec.InitContainers, corev1.Container{Name: InitContainer, Image: "istio/proxyv2"})
+}
+
+// meshedPod is what Istio's injector produces (without istio-init, as with istio-cni).
+func meshedPod(opts ...podOpt) *corev1.Pod {
+	p := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{
+			Name: "web", Namespace: "app", UID: "uid-1",
+			Annotations: map[string]string{AnnotationStatus: `{"containers":["istio-proxy"]}`},
+		},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{
+			{Name: "app", Image: "app"},
+			{Name: ProxyContainer, Image: "istio/proxyv2", Args: []string{"proxy", "sidecar", "--domain", "app.svc.cluster.local"}},
+		}},
+	}
+	for _, o := range opts {
+		o(p)
+	}
+	return p
+}
+
+func i64(v int64) *int64 { return &v }
+
+func TestDecide(t *testing.T) {
+	cfg := Config{ExcludeNamespaces: []string{"kube-system", "istio-system"}}
+	tests := []struct {
+		name   string
+		pod    *corev1.Pod
+		cfg    Config
+		meshed bool
+		reason string
+	}{
+		{"regular sidecar", meshedPod(), cfg, true, "sidecar container"},
+		{"native sidecar", meshedPod(nativeSidecar), cfg, true, "native sidecar"},
+		{"istio-proxy init container without restartPolicy Always", meshedPod(proxyAsPlainInit), cfg, false, "no istio-proxy container"},
+		{"no proxy", meshedPod(noProxy), cfg, false, "no istio-proxy container"},
+		{"no status annotation", meshedPod(func(p *corev1.Pod) { p.Annotations = nil }), cfg, false, "sidecar.istio.io/status"},
+		{"excluded namespace", meshedPod(func(p *corev1.Pod) { p.Namespace = "kube-system" }), cfg, false, "namespace kube-system is excluded"},
+		{"agent pod (default label)", meshedPod(label("app.kubernetes.io/name", "meshcni")), cfg, false, "node agent"},
+		{"agent pod (configured label)", meshedPod(label("k8s-app", "mesh-agent")), Config{AgentLabel: Label{"k8s-app", "mesh-agent"}}, false, "node agent"},
+		{"other app label", meshedPod(label("app.kubernetes.io/name", "web")), cfg, true, ""},
+		{"inject=false annotation", meshedPod(ann(AnnotationInject, "false")), cfg, false, "annotation sidecar.istio.io/inject=false"},
+		{"inject=false label", meshedPod(label(AnnotationInject, "false")), cfg, false, "label sidecar.istio.io/inject=false"},
+		{"label true wins over annotation false", meshedPod(label(AnnotationInject, "true"), ann(AnnotationInject, "false")), cfg, true, ""},
+		{"label false wins over annotation true", meshedPod(label(AnnotationInject, "false"), ann(AnnotationInject, "true")), cfg, false, "label"},
+		{"inject=true annotation", meshedPod(ann(AnnotationInject, "true")), cfg, true, ""},
+		{"unparseable inject ignored", meshedPod(ann(AnnotationInject, "maybe")), cfg, true, ""},
+		{"istio-init present", meshedPod(withIstioInit), cfg, false, "istio-init"},
+		{"DISABLE_ENVOY=true", meshedPod(env(EnvDisableEnvoy, "true")), cfg, false, "DISABLE_ENVOY=true"},
+		{"DISABLE_ENVOY=false", meshedPod(env(EnvDisableEnvoy, "false")), cfg, true, ""},
+		{"router proxy", meshedPod(args("proxy", "router")), cfg, false, `"router" proxy`},
+		{"no proxy args", meshedPod(args()), cfg, true, ""},
+		{"interception NONE", meshedPod(ann(AnnotationInterceptionMode, "NONE")), cfg, false, "captures no traffic"},
+		{"nil pod", nil, cfg, false, "no pod"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d := Decide(tt.pod, tt.cfg)
+			if d.Meshed != tt.meshed {
+				t.Fatalf("Meshed = %v (%s), want %v", d.Meshed, d.Reason, tt.meshed)
+			}
+			if d.Reason == "" {
+				t.Fatalf("empty reason")
+			}
+			if !strings.Contains(d.Reason, tt.reason) {
+				t.Fatalf("reason %q does not mention %q", d.Reason, tt.reason)
+			}
+		})
+	}
+}
+
+func ports(p ...uint16) []uint16 { return p }
+
+func prefixes(s ...string) []netip.Prefix {
+	var out []netip.Prefix
+	for _, x := range s {
+		out = append(out, netip.MustParsePrefix(x))
+	}
+	return out
+}
+
+func TestSpec(t *testing.T) {
+	base := func(mut func(*spec.Spec)) *spec.Spec {
+		s := spec.PodDefaults()
+		s.OutboundPortsExclude = ports(15020)
+		if mut != nil {
+			mut(&s)
+		}
+		return &s
+	}
+	tests := []struct {
+		name string
+		pod  *corev1.Pod
+		want *spec.Spec
+		warn string
+	}{
+		{"defaults", meshedPod(), base(nil), ""},
+		{"TPROXY", meshedPod(ann(AnnotationInterceptionMode, "TPROXY")), base(func(s *spec.Spec) { s.Mode = spec.ModeTProxy }), ""},
+		{"REDIRECT explicit", meshedPod(ann(AnnotationInterceptionMode, "REDIRECT")), base(nil), ""},
+		{"include inbound ports", meshedPod(ann(AnnotationIncludeInboundPorts, "8080, 9090")), base(func(s *spec.Spec) {
+			s.InboundPorts = spec.PortSet{Ports: ports(8080, 9090)}
+		}), ""},
+		{"include inbound ports empty: no inbound capture", meshedPod(ann(AnnotationIncludeInboundPorts, "")), base(func(s *spec.Spec) {
+			s.InboundPorts = spec.PortSet{}
+		}), ""},
+		{"exclude inbound ports: Istio's three are always added", meshedPod(ann(AnnotationExcludeInboundPorts, "7000,15021")), base(func(s *spec.Spec) {
+			s.InboundPortsExclude = ports(7000, 15021, 15020, 15090)
+		}), ""},
+		{"include outbound ports", meshedPod(ann(AnnotationIncludeOutboundPorts, "3306")), base(func(s *spec.Spec) {
+			s.OutboundPorts = ports(3306)
+		}), ""},
+		{"exclude outbound ports replace the 15020 default", meshedPod(ann(AnnotationExcludeOutboundPorts, "5432,6379")), base(func(s *spec.Spec) {
+			s.OutboundPortsExclude = ports(5432, 6379)
+		}), ""},
+		{"exclude outbound ports empty", meshedPod(ann(AnnotationExcludeOutboundPorts, "")), base(func(s *spec.Spec) {
+			s.OutboundPortsExclude = nil
+		}), ""},
+		{"include outbound ranges", meshedPod(ann(AnnotationIncludeOutboundIPRanges, "10.0.0.0/8,fd00::/8")), base(func(s *spec.Spec) {
+			s.OutboundIPRanges = spec.PrefixSet{Prefixes: prefixes("10.0.0.0/8", "fd00::/8")}
+		}), ""},
+		{"exclude outbound ranges", meshedPod(ann(AnnotationExcludeOutboundIPRanges, "169.254.169.254/32, 10.96.0.1")), base(func(s *spec.Spec) {
+			s.OutboundIPRangesExclude = prefixes("169.254.169.254/32", "10.96.0.1/32")
+		}), ""},
+		{"exclude interfaces", meshedPod(ann(AnnotationExcludeInterfaces, "eth1,net1")), base(func(s *spec.Spec) {
+			s.ExcludeInterfaces = []string{"eth1", "net1"}
+		}), ""},
+		{"reroute virtual interfaces", meshedPod(ann(AnnotationRerouteVirtualInterfaces, "k6t-eth0, tap0")), base(func(s *spec.Spec) {
+			s.RerouteInterfaces = []string{"k6t-eth0", "tap0"}
+		}), ""},
+		{"deprecated kubevirtInterfaces", meshedPod(ann(AnnotationKubevirtInterfaces, "tap1")), base(func(s *spec.Spec) {
+			s.RerouteInterfaces = []string{"tap1"}
+		}), ""},
+		{"reroute wins over kubevirt", meshedPod(ann(AnnotationKubevirtInterfaces, "tap1"), ann(AnnotationRerouteVirtualInterfaces, "tap2")), base(func(s *spec.Spec) {
+			s.RerouteInterfaces = []string{"tap2"}
+		}), ""},
+		{"runAsUser unset", meshedPod(runAs(nil, nil)), base(nil), ""},
+		{"runAsUser 0 means 1337", meshedPod(runAs(i64(0), i64(0))), base(nil), ""},
+		{"custom runAsUser/runAsGroup", meshedPod(runAs(i64(2000), i64(3000))), base(func(s *spec.Spec) {
+			s.ProxyUIDs, s.ProxyGIDs = []uint32{2000}, []uint32{3000}
+		}), ""},
+		{"custom runAsUser only", meshedPod(runAs(i64(2000), nil)), base(func(s *spec.Spec) {
+			s.ProxyUIDs = []uint32{2000}
+		}), ""},
+		{"native sidecar proxy settings are read", meshedPod(runAs(i64(4242), nil), nativeSidecar), base(func(s *spec.Spec) {
+			s.ProxyUIDs = []uint32{4242}
+		}), ""},
+		{"DNS capture → capture all DNS", meshedPod(env(EnvDNSCapture, "true")), base(func(s *spec.Spec) {
+			s.RedirectDNS, s.CaptureAllDNS = true, true
+		}), ""},
+		{"dual stack", meshedPod(env(EnvDualStack, "true")), base(func(s *spec.Spec) { s.EnableIPv6 = true }), ""},
+		{"invalid drop", meshedPod(env(EnvInvalidDrop, "1")), base(func(s *spec.Spec) { s.DropInvalid = true }), ""},
+		{"unparseable env ignored with a warning", meshedPod(env(EnvDNSCapture, "yes")), base(nil), "ISTIO_META_DNS_CAPTURE"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r, err := Build(tt.pod)
+			if err != nil {
+				t.Fatalf("Build: %v", err)
+			}
+			if !reflect.DeepEqual(r.Spec, tt.want) {
+				t.Fatalf("spec mismatch\n got  %+v\n want %+v", *r.Spec, *tt.want)
+			}
+			w := strings.Join(r.Warnings, "\n")
+			if (tt.warn == "") != (w == "") || !strings.Contains(w, tt.warn) {
+				t.Fatalf("warnings %q, want mention of %q", w, tt.warn)
+			}
+		})
+	}
+}
+
+func TestSpecBadValues(t *testing.T) {
+	tests := []struct {
+		pod   *corev1.Pod
+		field string
+		value string
+	}{
+		{meshedPod(ann(AnnotationInterceptionMode, "MAGIC")), AnnotationInterceptionMode, "MAGIC"},
+		{meshedPod(ann(AnnotationIncludeInboundPorts, "80,http")), AnnotationIncludeInboundPorts, "80,http"},
+		{meshedPod(ann(AnnotationExcludeInboundPorts, "70000")), AnnotationExcludeInboundPorts, "70000"},
+		{meshedPod(ann(AnnotationExcludeInboundPorts, "*")), AnnotationExcludeInboundPorts, "*"},
+		{meshedPod(ann(AnnotationIncludeOutboundPorts, "0")), AnnotationIncludeOutboundPorts, "0"},
+		{meshedPod(ann(AnnotationExcludeOutboundPorts, "-1")), AnnotationExcludeOutboundPorts, "-1"},
+		{meshedPod(ann(AnnotationIncludeOutboundIPRanges, "10.0.0.0/33")), AnnotationIncludeOutboundIPRanges, "10.0.0.0/33"},
+		{meshedPod(ann(AnnotationExcludeOutboundIPRanges, "not-a-cidr")), AnnotationExcludeOutboundIPRanges, "not-a-cidr"},
+		{meshedPod(ann(AnnotationExcludeOutboundIPRanges, "*")), AnnotationExcludeOutboundIPRanges, "*"},
+		{meshedPod(ann(AnnotationExcludeInterfaces, "eth0;rm")), AnnotationExcludeInterfaces, "eth0;rm"},
+		{meshedPod(ann(AnnotationRerouteVirtualInterfaces, "averyveryverylongname")), AnnotationRerouteVirtualInterfaces, "averyveryverylongname"},
+		{meshedPod(ann(AnnotationKubevirtInterfaces, "a b")), AnnotationKubevirtInterfaces, "a b"},
+		{meshedPod(runAs(i64(-5), nil)), "istio-proxy.securityContext.runAsUser", "-5"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.field+"="+tt.value, func(t *testing.T) {
+			s, err := Spec(tt.pod)
+			if err == nil {
+				t.Fatalf("no error, spec %+v", s)
+			}
+			var fe *spec.FieldError
+			if !errors.As(err, &fe) {
+				t.Fatalf("error %v is not a *spec.FieldError", err)
+			}
+			if fe.Field != tt.field || fe.Value != tt.value {
+				t.Fatalf("error names %s=%q, want %s=%q", fe.Field, fe.Value, tt.field, tt.value)
+			}
+			if !strings.Contains(err.Error(), tt.field) || !strings.Contains(err.Error(), tt.value) {
+				t.Fatalf("message %q does not name the annotation and value", err)
+			}
+		})
+	}
+}
+
+func TestWithFamilies(t *testing.T) {
+	for _, tt := range []struct {
+		addrs  []string
+		v4, v6 bool
+	}{
+		{nil, true, false},
+		{[]string{"10.1.2.3"}, true, false},
+		{[]string{"fd00::5"}, false, true},
+		{[]string{"10.1.2.3", "fd00::5"}, true, true},
+		{[]string{"::ffff:10.1.2.3"}, true, false},
+	} {
+		s := spec.PodDefaults()
+		var as []netip.Addr
+		for _, a := range tt.addrs {
+			as = append(as, netip.MustParseAddr(a))
+		}
+		WithFamilies(&s, as)
+		if s.EnableIPv4 != tt.v4 || s.EnableIPv6 != tt.v6 {
+			t.Errorf("%v: v4=%v v6=%v, want %v %v", tt.addrs, s.EnableIPv4, s.EnableIPv6, tt.v4, tt.v6)
+		}
+	}
+}
+
+func TestParseLabel(t *testing.T) {
+	l, err := ParseLabel(" app = meshcni ")
+	if err != nil || l != (Label{"app", "meshcni"}) {
+		t.Fatalf("got %v %v", l, err)
+	}
+	if !(Label{Key: "app"}).Matches(map[string]string{"app": "x"}) {
+		t.Fatal("bare key should match any value")
+	}
+	for _, bad := range []string{"", "=x", "a b=c", "a=b=c"} {
+		if _, err := ParseLabel(bad); err == nil {
+			t.Errorf("ParseLabel(%q): no error", bad)
+		}
+	}
+}
