@@ -233,7 +233,7 @@ func checkGroupName(g string) error {
 				return fmt.Errorf("a group name starts with a letter or _")
 			}
 		default:
-			return fmt.Errorf("a group is a GID or a name of letters, digits and - _ .")
+			return fmt.Errorf("a group is a GID or a name of letters, digits, -, _ and dots")
 		}
 	}
 	return nil

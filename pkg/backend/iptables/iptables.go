@@ -100,16 +100,6 @@ func (b *Backend) run(ctx context.Context, netns string, family rules.Family, to
 	return string(out), err
 }
 
-func families(rs *rules.Ruleset) []rules.Family {
-	var fs []rules.Family
-	for _, f := range []rules.Family{rules.V4, rules.V6} {
-		if rs == nil || rs.Families.Has(f) {
-			fs = append(fs, f)
-		}
-	}
-	return fs
-}
-
 // Save returns iptables-save output of one family in the namespace.
 func (b *Backend) Save(ctx context.Context, netns string, family rules.Family) (string, error) {
 	return b.run(ctx, netns, family, "-save", "")
