@@ -1,11 +1,8 @@
 package engine
 
 import (
-	"fmt"
-
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/backend/nftables"
 )
 
-func newNftables() (backend.Backend, error) {
-	return nil, fmt.Errorf("the native nftables backend is not built in yet")
-}
+func newNftables() (backend.Backend, error) { return nftables.New(), nil }

@@ -161,12 +161,21 @@ func fingerprint(es []expr.Any, sets map[string][][]byte) string {
 			}
 			parts[i] = fmt.Sprintf("redir %d %d %d", e.RegisterProtoMin, pmax, e.Flags)
 		case *expr.TProxy:
-			parts[i] = fmt.Sprintf("tproxy f%d a%d p%d", e.Family, e.RegAddr, e.RegPort)
+			// github.com/google/nftables v0.3.0 cannot decode tproxy expressions: a
+			// live rule comes back without it, so the fingerprint leaves it out on
+			// both sides (the port immediate and the mark that follow still count).
+			parts[i] = ""
 		default:
 			parts[i] = fmt.Sprintf("%T %+v", e, e)
 		}
 	}
-	return strings.Join(parts, "; ")
+	kept := parts[:0]
+	for _, p := range parts {
+		if p != "" {
+			kept = append(kept, p)
+		}
+	}
+	return strings.Join(kept, "; ")
 }
 
 // ctIsSet reports whether a ct expression writes the conntrack entry. The library
@@ -456,6 +465,12 @@ func decompile(es []expr.Any, sets map[string][][]byte) string {
 					i++
 					continue
 				}
+			}
+			if len(e.Data) == 2 && e.Register == 1 {
+				// A port loaded for a statement the library could not decode: in
+				// meshcni's tables only tproxy does that.
+				out = append(out, fmt.Sprintf("tproxy to :%d", binaryutil.BigEndian.Uint16(e.Data)))
+				continue
 			}
 			out = append(out, fmt.Sprintf("immediate %x", e.Data))
 		case *expr.Verdict:
