@@ -20,10 +20,11 @@
 // entered by passing its file descriptor to the netlink socket; the calling thread
 // never switches namespace.
 //
-// Apply sends one batch, committed by the kernel as one transaction: for each of the
-// three tables, add (so the delete cannot fail), delete (so no stale chain or rule
-// survives) and, when the ruleset needs it, add again with its chains, anonymous sets
-// and rules. On any error nothing changes. Applying twice equals applying once.
+// Apply lists meshcni's tables, then sends one batch, committed by the kernel as one
+// transaction: each of the three tables that is present is added (so the delete cannot
+// fail) and deleted (so no stale chain or rule survives); the tables the ruleset needs
+// are created exclusively with their chains, anonymous sets and rules. On any error
+// nothing changes. Applying twice equals applying once.
 //
 // Group names in owner matches are resolved to GIDs by reading /etc/group (Backend's
 // GroupFile), only when a name is used; an unknown name is an error naming it.
@@ -31,6 +32,7 @@ package nftables
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -162,16 +164,42 @@ func (b *Backend) Apply(ctx context.Context, netnsPath string, rs *rules.Ruleset
 		return fmt.Errorf("nftables apply: %w", err)
 	}
 	defer closeConn()
+	nrules := 0
+	for attempt := 1; ; attempt++ {
+		nrules, err = b.send(c, tables)
+		if err == nil {
+			break
+		}
+		// A table created by someone else between our listing and our batch makes the
+		// exclusive create fail (and the whole batch with it): list again, once.
+		if errors.Is(err, unix.EEXIST) && attempt < 2 {
+			continue
+		}
+		return fmt.Errorf("nftables apply in netns %q (%d tables, %d rules; nothing was changed): %w", netnsPath, len(tables), nrules, err)
+	}
+	b.log().Debug("nftables ruleset applied", "netns", netnsPath, "tables", len(tables), "rules", nrules, "duration", time.Since(start))
+	return nil
+}
 
-	for _, name := range nft.Tables {
-		t := inetTable(nft.TableName(name))
-		c.AddTable(t)
-		c.DelTable(t)
+// send lists meshcni's present tables and sends the whole replacement in one batch.
+// Present tables are deleted (after an add, so the delete cannot fail if one vanished
+// meanwhile); absent ones are not touched: deleting a table makes the kernel destroy
+// it after an RCU grace period, which the closing netlink socket waits for (several
+// milliseconds). Tables are then created exclusively, so a table appearing between
+// the listing and the batch fails the batch instead of merging into it.
+func (b *Backend) send(c *gnft.Conn, tables []desiredTable) (int, error) {
+	present, err := ourTables(c)
+	if err != nil {
+		return 0, err
+	}
+	for _, t := range present {
+		c.AddTable(inetTable(t.Name))
+		c.DelTable(inetTable(t.Name))
 	}
 	var setID uint32
 	nrules := 0
 	for _, dt := range tables {
-		t := c.AddTable(inetTable(dt.name))
+		t := c.CreateTable(inetTable(dt.name))
 		chains := map[string]*gnft.Chain{}
 		for _, dc := range dt.chains {
 			ch := &gnft.Chain{Name: dc.name, Table: t}
@@ -192,7 +220,7 @@ func (b *Backend) Apply(ctx context.Context, netnsPath string, rs *rules.Ruleset
 						elems[i] = gnft.SetElement{Key: e}
 					}
 					if err := c.AddSet(set, elems); err != nil {
-						return fmt.Errorf("nftables apply: table %s chain %s rule (%s): anonymous set: %w", dt.name, dc.name, cr.text, err)
+						return nrules, fmt.Errorf("table %s chain %s rule (%s): anonymous set: %w", dt.name, dc.name, cr.text, err)
 					}
 					s.lookup.SetID, s.lookup.SetName = set.ID, set.Name
 				}
@@ -201,11 +229,7 @@ func (b *Backend) Apply(ctx context.Context, netnsPath string, rs *rules.Ruleset
 			}
 		}
 	}
-	if err := c.Flush(); err != nil {
-		return fmt.Errorf("nftables apply in netns %q (%d tables, %d rules; nothing was changed): %w", netnsPath, len(tables), nrules, err)
-	}
-	b.log().Debug("nftables ruleset applied", "netns", netnsPath, "tables", len(tables), "rules", nrules, "duration", time.Since(start))
-	return nil
+	return nrules, c.Flush()
 }
 
 // Clean deletes meshcni's three tables, those present, in one batch.
