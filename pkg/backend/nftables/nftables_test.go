@@ -373,3 +373,22 @@ func BenchmarkReapplyPodDefaults(b *testing.B) {
 		}
 	}
 }
+
+// TestCheckTProxy: no drift right after applying a dual-stack TPROXY ruleset (the
+// netlink library cannot decode tproxy expressions; Check must still agree).
+func TestCheckTProxy(t *testing.T) {
+	nfttest.Require(t)
+	ctx := context.Background()
+	b := nftables.New()
+	ns := testutil.NewNetns(t)
+	s := podDefaults()
+	s.Mode = spec.ModeTProxy
+	s.EnableIPv6 = true
+	rs := build(t, s)
+	if err := b.Apply(ctx, ns, rs); err != nil {
+		t.Fatal(err)
+	}
+	if d, err := b.Check(ctx, ns, rs); err != nil || !d.Empty() {
+		t.Fatalf("drift right after a TPROXY apply: %v\n%s", err, d)
+	}
+}
