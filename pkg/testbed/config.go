@@ -111,8 +111,8 @@ func DefaultPlugins() []map[string]any {
 			"forceAddress":     false,
 			"isDefaultGateway": true,
 			"ipam": map[string]any{
-				"type":   "host-local",
-				"ranges": [][]map[string]string{{{"subnet": PodCIDR, "gateway": NodeIP}}},
+				"type":    "host-local",
+				"ranges":  [][]map[string]string{{{"subnet": PodCIDR, "gateway": NodeIP}}},
 				"dataDir": filepath.Join(BaseDir, "cni", "ipam"),
 			},
 		},
