@@ -211,6 +211,9 @@ func Attach(ctx context.Context) (*Testbed, error) {
 }
 
 func acquireLock(ctx context.Context, log *slog.Logger) (*os.File, error) {
+	if log == nil {
+		log = slog.Default()
+	}
 	if _, owner, ok := Running(); ok {
 		return nil, fmt.Errorf("%w (owner pid %d): use Attach, or run `hack/testbed down`", ErrRunning, owner)
 	}
@@ -566,11 +569,16 @@ func waitFor(ctx context.Context, c *component, what string, check func() error)
 	}
 }
 
+// poll runs check until it returns nil, an errStop (returned unwrapped) or ctx ends.
 func poll(ctx context.Context, every time.Duration, check func() error) error {
 	var last error
 	for {
 		if last = check(); last == nil {
 			return nil
+		}
+		var stop errStop
+		if errors.As(last, &stop) {
+			return stop.error
 		}
 		select {
 		case <-ctx.Done():

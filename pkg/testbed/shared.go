@@ -1,0 +1,103 @@
+package testbed
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/meshcni/meshcni/internal/testutil"
+)
+
+var (
+	sharedMu   sync.Mutex
+	sharedTB   *Testbed
+	mainWraps  bool
+	sharedFail error
+)
+
+// RunMain runs the tests of a package that uses Shared and stops the shared test
+// bed afterwards. Use it from TestMain:
+//
+//	func TestMain(m *testing.M) { os.Exit(testbed.RunMain(m)) }
+//
+// Without it, Shared stops the test bed at the end of the test that started it.
+func RunMain(m *testing.M) int {
+	sharedMu.Lock()
+	mainWraps = true
+	sharedMu.Unlock()
+	code := m.Run()
+	sharedMu.Lock()
+	tb := sharedTB
+	sharedTB = nil
+	sharedMu.Unlock()
+	if tb != nil {
+		if err := tb.Stop(context.Background()); err != nil {
+			slog.Error("stop shared test bed", "err", err)
+			if code == 0 {
+				code = 1
+			}
+		}
+	}
+	return code
+}
+
+// Shared returns the full-mode test bed of this test binary, starting it on first
+// use: it attaches to one started by `hack/testbed up` if running, else starts one
+// (waiting for LockFile while another test binary holds it). It skips the test
+// outside CI, and fails it under CI=true, when not root or when the binaries are
+// not built (`hack/testbed build`).
+//
+// Tests sharing it must restore what they change (CNI configuration, plugins in
+// CNIBinDir) and use their own namespaces or pod names.
+func Shared(t testing.TB) *Testbed {
+	t.Helper()
+	testutil.RequireRoot(t)
+	if _, err := Lookup(); err != nil {
+		if errors.Is(err, ErrNotBuilt) {
+			testutil.Missing(t, "%v", err)
+		}
+		t.Fatalf("testbed: %v", err)
+	}
+	sharedMu.Lock()
+	defer sharedMu.Unlock()
+	if sharedTB != nil && (!sharedTB.owned || sharedTB.IsRunning()) {
+		return sharedTB
+	}
+	if sharedFail != nil {
+		t.Fatalf("shared test bed failed to start earlier: %v", sharedFail)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	if _, _, ok := Running(); ok {
+		tb, err := Attach(ctx)
+		if err != nil {
+			t.Fatalf("attach to the running test bed: %v", err)
+		}
+		if tb.Mode != ModeFull {
+			t.Fatalf("the running test bed is %s; Shared needs a full one (hack/testbed down && hack/testbed up)", tb.Mode)
+		}
+		sharedTB = tb
+		return tb
+	}
+	tb, err := Start(ctx, Options{Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))})
+	if err != nil {
+		sharedFail = err
+		t.Fatalf("start test bed: %v", err)
+	}
+	sharedTB = tb
+	if !mainWraps {
+		t.Cleanup(func() {
+			sharedMu.Lock()
+			sharedTB = nil
+			sharedMu.Unlock()
+			if err := tb.Stop(context.Background()); err != nil {
+				t.Errorf("stop test bed: %v", err)
+			}
+		})
+	}
+	return tb
+}
