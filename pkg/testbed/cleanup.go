@@ -63,6 +63,7 @@ func cleanup(ctx context.Context, log *slog.Logger) error {
 	if err := removeCgroups(); err != nil {
 		errs = append(errs, err)
 	}
+	removePortmapChains()
 	return errors.Join(errs...)
 }
 
@@ -236,6 +237,9 @@ func Leftovers() []string {
 		if _, err := os.Stat(d); err == nil {
 			out = append(out, "directory "+d)
 		}
+	}
+	if present, _ := portmapChainsPresent(); present {
+		out = append(out, "iptables nat chain CNI-HOSTPORT-DNAT")
 	}
 	return out
 }

@@ -54,10 +54,15 @@ type Options struct {
 	Timeout time.Duration
 	// Logger receives progress; slog.Default() when nil.
 	Logger *slog.Logger
+	// Shared marks a test bed other processes may use (what `hack/testbed up`
+	// runs): their Start fails with ErrRunning and Attach connects to it. A test
+	// bed started without it is exclusive: other processes' Start waits for its
+	// Stop (LockFile).
+	Shared bool
 }
 
-// ErrRunning is returned by Start when another process runs a test bed (for
-// example `hack/testbed up`); Attach connects to it.
+// ErrRunning is returned by Start when another process runs a shared test bed
+// (`hack/testbed up`); Attach connects to it.
 var ErrRunning = errors.New("a test bed is already running")
 
 // Testbed is a running single-node cluster.
@@ -72,6 +77,7 @@ type Testbed struct {
 
 	log      *slog.Logger
 	owned    bool
+	shared   bool
 	comps    []*component
 	lock     *os.File
 	stopOnce sync.Once
@@ -82,6 +88,7 @@ type Testbed struct {
 type state struct {
 	OwnerPID   int          `json:"ownerPID"`
 	Mode       Mode         `json:"mode"`
+	Shared     bool         `json:"shared"`
 	Ready      bool         `json:"ready"`
 	Started    time.Time    `json:"started"`
 	Components []stateEntry `json:"components"`
@@ -104,13 +111,24 @@ func readState() (*state, error) {
 	return &s, nil
 }
 
-// Running reports the state of a test bed run by another live process, if any.
+// Running reports the shared test bed (`hack/testbed up`) run by another live
+// process, if any: the one Attach connects to.
 func Running() (mode Mode, ownerPID int, ok bool) {
 	s, err := readState()
-	if err != nil || !s.Ready || s.OwnerPID == os.Getpid() || !pidAlive(s.OwnerPID) {
+	if err != nil || !s.Ready || !s.Shared || s.OwnerPID == os.Getpid() || !pidAlive(s.OwnerPID) {
 		return "", 0, false
 	}
 	return s.Mode, s.OwnerPID, true
+}
+
+// Busy reports a test bed, shared or exclusive, starting or running, owned by
+// another live process.
+func Busy() (ownerPID int, shared, ok bool) {
+	s, err := readState()
+	if err != nil || s.OwnerPID == os.Getpid() || !pidAlive(s.OwnerPID) {
+		return 0, false, false
+	}
+	return s.OwnerPID, s.Shared, true
 }
 
 // Kubeconfig is the path of the admin kubeconfig.
@@ -161,7 +179,7 @@ func Start(ctx context.Context, opts Options) (tb *Testbed, err error) {
 	if err != nil {
 		return nil, err
 	}
-	tb = &Testbed{Mode: mode, Binaries: bins, log: log, owned: true, lock: lock}
+	tb = &Testbed{Mode: mode, Binaries: bins, log: log, owned: true, lock: lock, shared: opts.Shared}
 	began := time.Now()
 	defer func() {
 		if err != nil {
@@ -234,7 +252,8 @@ func acquireLock(ctx context.Context, log *slog.Logger) (*os.File, error) {
 			return nil, fmt.Errorf("%w (owner pid %d): use Attach, or run `hack/testbed down`", ErrRunning, owner)
 		}
 		if !logged {
-			log.Info("waiting for another test bed user to finish", "lock", LockFile)
+			owner, _, _ := Busy()
+			log.Info("waiting for another test bed user to finish", "lock", LockFile, "owner", owner)
 			logged = true
 		}
 		select {
@@ -262,7 +281,7 @@ func checkPorts(mode Mode) error {
 }
 
 func (tb *Testbed) writeState(ready bool) error {
-	s := state{OwnerPID: os.Getpid(), Mode: tb.Mode, Ready: ready, Started: time.Now()}
+	s := state{OwnerPID: os.Getpid(), Mode: tb.Mode, Shared: tb.shared, Ready: ready, Started: time.Now()}
 	for _, c := range tb.comps {
 		s.Components = append(s.Components, stateEntry{Name: c.name, PID: c.cmd.Process.Pid})
 	}
@@ -353,37 +372,41 @@ func (tb *Testbed) start(ctx context.Context, opts Options) error {
 		return err
 	}
 	tb.log.Info("kube-apiserver ready")
+	// The controller-manager and scheduler start once the API server is ready (its
+	// RBAC bootstrap done: they exit when they cannot read their configuration).
+	var cm, sched *component
+	if tb.Mode == ModeFull {
+		cm, err = startComponent("kube-controller-manager", tb.Binaries.Path("kube-controller-manager"),
+			"--kubeconfig="+filepath.Join(BaseDir, "controller-manager.kubeconfig"),
+			"--authentication-kubeconfig="+filepath.Join(BaseDir, "controller-manager.kubeconfig"),
+			"--authorization-kubeconfig="+filepath.Join(BaseDir, "controller-manager.kubeconfig"),
+			"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ControllerManagerPort),
+			"--cert-dir="+filepath.Join(BaseDir, "controller-manager"),
+			"--leader-elect=false", "--use-service-account-credentials=true",
+			"--service-account-private-key-file="+pkiPath("sa.key"),
+			"--root-ca-file="+pkiPath("ca.crt"),
+			"--cluster-signing-cert-file="+pkiPath("ca.crt"), "--cluster-signing-key-file="+pkiPath("ca.key"),
+			"--cluster-name=meshcni-testbed", "--allocate-node-cidrs=false",
+			"--service-cluster-ip-range="+ServiceCIDR, "--v=1")
+		if err != nil {
+			return err
+		}
+		tb.add(cm)
+		sched, err = startComponent("kube-scheduler", tb.Binaries.Path("kube-scheduler"),
+			"--kubeconfig="+filepath.Join(BaseDir, "scheduler.kubeconfig"),
+			"--authentication-kubeconfig="+filepath.Join(BaseDir, "scheduler.kubeconfig"),
+			"--authorization-kubeconfig="+filepath.Join(BaseDir, "scheduler.kubeconfig"),
+			"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(SchedulerPort),
+			"--cert-dir="+filepath.Join(BaseDir, "scheduler"),
+			"--leader-elect=false", "--v=1")
+		if err != nil {
+			return err
+		}
+		tb.add(sched)
+	}
 	if tb.Mode == ModeAPIOnly {
 		return nil
 	}
-
-	cm, err := startComponent("kube-controller-manager", tb.Binaries.Path("kube-controller-manager"),
-		"--kubeconfig="+filepath.Join(BaseDir, "controller-manager.kubeconfig"),
-		"--authentication-kubeconfig="+filepath.Join(BaseDir, "controller-manager.kubeconfig"),
-		"--authorization-kubeconfig="+filepath.Join(BaseDir, "controller-manager.kubeconfig"),
-		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ControllerManagerPort),
-		"--cert-dir="+filepath.Join(BaseDir, "controller-manager"),
-		"--leader-elect=false", "--use-service-account-credentials=true",
-		"--service-account-private-key-file="+pkiPath("sa.key"),
-		"--root-ca-file="+pkiPath("ca.crt"),
-		"--cluster-signing-cert-file="+pkiPath("ca.crt"), "--cluster-signing-key-file="+pkiPath("ca.key"),
-		"--cluster-name=meshcni-testbed", "--allocate-node-cidrs=false",
-		"--service-cluster-ip-range="+ServiceCIDR, "--v=1")
-	if err != nil {
-		return err
-	}
-	tb.add(cm)
-	sched, err := startComponent("kube-scheduler", tb.Binaries.Path("kube-scheduler"),
-		"--kubeconfig="+filepath.Join(BaseDir, "scheduler.kubeconfig"),
-		"--authentication-kubeconfig="+filepath.Join(BaseDir, "scheduler.kubeconfig"),
-		"--authorization-kubeconfig="+filepath.Join(BaseDir, "scheduler.kubeconfig"),
-		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(SchedulerPort),
-		"--cert-dir="+filepath.Join(BaseDir, "scheduler"),
-		"--leader-elect=false", "--v=1")
-	if err != nil {
-		return err
-	}
-	tb.add(sched)
 
 	if err := <-runtimeErr; err != nil {
 		return err
@@ -670,21 +693,37 @@ func removePods(ctx context.Context, log *slog.Logger) error {
 	return nil
 }
 
-// Down stops a test bed started by another process (asking its owner to stop, or
-// tearing down after a crash) and removes every trace. It is idempotent: with
-// nothing running it only checks.
-func Down(ctx context.Context, log *slog.Logger) error {
+// Down stops the test bed run by another process and removes every trace; it is
+// what `hack/testbed down` does and also cleans up after a crash. A shared test
+// bed (hack/testbed up) is asked to stop (SIGTERM to its owner). A test bed in
+// use by a live test process is left alone with an error unless force is set, in
+// which case its owner is sent SIGTERM. Down is idempotent: with nothing running
+// it only checks.
+func Down(ctx context.Context, log *slog.Logger, force bool) error {
 	if log == nil {
 		log = slog.Default()
 	}
-	if s, err := readState(); err == nil && s.OwnerPID != os.Getpid() && pidAlive(s.OwnerPID) {
-		log.Info("asking the test bed's owner to stop", "pid", s.OwnerPID)
-		_ = unix.Kill(s.OwnerPID, unix.SIGTERM)
+	if pid, shared, ok := Busy(); ok {
+		if !shared && !force {
+			return fmt.Errorf("testbed: in use by test process %d (use force / `hack/testbed down --force` to stop it)", pid)
+		}
+		log.Info("asking the test bed's owner to stop", "pid", pid, "shared", shared)
+		_ = unix.Kill(pid, unix.SIGTERM)
 		deadline := time.Now().Add(90 * time.Second)
-		for pidAlive(s.OwnerPID) && time.Now().Before(deadline) {
+		for pidAlive(pid) && time.Now().Before(deadline) {
 			time.Sleep(100 * time.Millisecond)
 		}
 	}
+	lctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	lock, err := acquireLock(lctx, log)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		_ = unix.Flock(int(lock.Fd()), unix.LOCK_UN)
+		lock.Close()
+	}()
 	return cleanup(ctx, log)
 }
 

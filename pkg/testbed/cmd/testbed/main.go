@@ -3,7 +3,8 @@
 //
 //	testbed build            build and cache the binaries (idempotent)
 //	testbed up [--api-only]  start a test bed in the background
-//	testbed down             stop it and remove every trace (idempotent)
+//	testbed down [--force]   stop it and remove every trace (idempotent); --force
+//	                         also stops a test bed a running test owns
 //	testbed env              print shell exports for `eval "$(hack/testbed env)"`
 //	testbed status           say whether one runs
 package main
@@ -41,7 +42,8 @@ func main() {
 	case "serve":
 		err = serve(log, os.Args[2:])
 	case "down":
-		err = testbed.Down(ctx, log)
+		force := len(os.Args) > 2 && os.Args[2] == "--force"
+		err = testbed.Down(ctx, log, force)
 		if err == nil {
 			if left := testbed.Leftovers(); len(left) > 0 {
 				err = fmt.Errorf("left behind: %v", left)
@@ -52,6 +54,8 @@ func main() {
 	case "status":
 		if mode, pid, ok := testbed.Running(); ok {
 			fmt.Printf("running: mode=%s owner pid=%d kubeconfig=%s\n", mode, pid, testbed.KubeconfigPath())
+		} else if pid, _, ok := testbed.Busy(); ok {
+			fmt.Printf("in use by a test: pid %d\n", pid)
 		} else {
 			fmt.Println("not running")
 			os.Exit(3)
@@ -66,7 +70,7 @@ func main() {
 }
 
 func usage() {
-	fmt.Fprintln(os.Stderr, "usage: testbed build | up [--api-only] | down | env | status")
+	fmt.Fprintln(os.Stderr, "usage: testbed build | up [--api-only] | down [--force] | env | status")
 	os.Exit(2)
 }
 
@@ -83,6 +87,9 @@ func up(ctx context.Context, log *slog.Logger, args []string) error {
 	apiOnly := parseUp("up", args)
 	if mode, pid, ok := testbed.Running(); ok {
 		return fmt.Errorf("a test bed (%s) is already running, owned by pid %d: run `hack/testbed down` first", mode, pid)
+	}
+	if pid, _, ok := testbed.Busy(); ok {
+		return fmt.Errorf("a test (pid %d) is using the test bed: wait for it to finish, or stop it with `hack/testbed down`", pid)
 	}
 	if _, err := testbed.Lookup(); err != nil {
 		return err
@@ -138,7 +145,7 @@ func serve(log *slog.Logger, args []string) error {
 	signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
 	ctx, cancel := context.WithCancel(context.Background())
 	go func() { <-sig; cancel() }()
-	tb, err := testbed.Start(ctx, testbed.Options{APIOnly: apiOnly, Logger: log})
+	tb, err := testbed.Start(ctx, testbed.Options{APIOnly: apiOnly, Logger: log, Shared: true})
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,294 @@
+package testbed
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/vishvananda/netlink"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// requireOwnTestbed: the lifecycle tests start and stop their own test bed, so they
+// need root, the binaries, and no test bed run by someone else.
+func requireOwnTestbed(t *testing.T) Binaries {
+	t.Helper()
+	testutil.RequireRoot(t)
+	b, err := Lookup()
+	if err != nil {
+		if errors.Is(err, ErrNotBuilt) {
+			testutil.Missing(t, "%v", err)
+		}
+		t.Fatal(err)
+	}
+	if _, pid, ok := Running(); ok {
+		testutil.Missing(t, "a test bed owned by pid %d is running (hack/testbed up); these tests stop and start their own: run hack/testbed down", pid)
+	}
+	return b
+}
+
+func start(t *testing.T, opts Options) *Testbed {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	began := time.Now()
+	tb, err := Start(ctx, opts)
+	if err != nil {
+		t.Fatalf("start: %v", err)
+	}
+	t.Logf("started (%s) in %s", tb.Mode, time.Since(began).Round(time.Millisecond))
+	t.Cleanup(func() { _ = tb.Stop(context.Background()) })
+	return tb
+}
+
+func stopClean(t *testing.T, tb *Testbed) {
+	t.Helper()
+	began := time.Now()
+	if err := tb.Stop(context.Background()); err != nil {
+		t.Fatalf("stop: %v", err)
+	}
+	t.Logf("stopped in %s", time.Since(began).Round(time.Millisecond))
+	if left := Leftovers(); len(left) > 0 {
+		t.Fatalf("stop left behind: %v", left)
+	}
+}
+
+// TestSmokeFullNode is the proof that the test bed is a real node: a pod with a
+// locally built image goes Ready through bridge + host-local + portmap (+
+// loopback), is reachable from the host over TCP (pod IP and hostPort), logs and
+// exec work through the API server, the pod's netns is found and entered, a
+// DaemonSet rolls out, and Stop leaves nothing behind. Then it does it all again,
+// proving two runs in a row do not interfere.
+func TestSmokeFullNode(t *testing.T) {
+	requireOwnTestbed(t)
+	for round := 1; round <= 2; round++ {
+		t.Run("round"+strconv.Itoa(round), func(t *testing.T) {
+			tb := start(t, Options{})
+			smoke(t, tb)
+			stopClean(t, tb)
+		})
+		if t.Failed() {
+			return
+		}
+	}
+}
+
+func smoke(t *testing.T, tb *Testbed) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+
+	// The CNI dirs are the test bed's own and hold the default chain.
+	conf, err := os.ReadFile(CNIConfDir + "/" + DefaultConflistName)
+	if err != nil || !strings.Contains(string(conf), `"portmap"`) || !strings.Contains(string(conf), BridgeName) {
+		t.Fatalf("conflist %s: %v", conf, err)
+	}
+	for _, p := range []string{"bridge", "host-local", "loopback", "portmap"} {
+		if _, err := os.Stat(CNIBinDir + "/" + p); err != nil {
+			t.Fatalf("plugin %s: %v", p, err)
+		}
+	}
+
+	const hostPort = 18080
+	began := time.Now()
+	if _, err := tb.CreatePod(ctx, EchoPod("echo", hostPort)); err != nil {
+		t.Fatal(err)
+	}
+	pod, err := tb.WaitPodReady(ctx, "default", "echo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("pod Ready in %s, ip %s", time.Since(began).Round(time.Millisecond), pod.Status.PodIP)
+	if ip := net.ParseIP(pod.Status.PodIP); ip == nil || !mustCIDR(PodCIDR).Contains(ip) {
+		t.Fatalf("pod IP %q not in %s", pod.Status.PodIP, PodCIDR)
+	}
+
+	// TCP from the host: to the pod IP, and through portmap's hostPort on NodeIP.
+	for _, addr := range []string{net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(EchoPort)), net.JoinHostPort(NodeIP, strconv.Itoa(hostPort))} {
+		line, err := echoRoundTrip(addr)
+		if err != nil {
+			t.Fatalf("echo via %s: %v", addr, err)
+		}
+		if !strings.HasPrefix(line, "echo ") {
+			t.Fatalf("echo via %s answered %q", addr, line)
+		}
+		t.Logf("%s answered %q", addr, line)
+	}
+
+	// Logs and exec through the API server and the kubelet.
+	logs, err := tb.PodLogs(ctx, "default", "echo", "")
+	if err != nil || !strings.Contains(logs, "echo server listening") {
+		t.Fatalf("logs = %q, %v", logs, err)
+	}
+	out, _, err := tb.Exec(ctx, "default", "echo", "echo", "/echo", "hostname")
+	if err != nil || strings.TrimSpace(out) != "echo" {
+		t.Fatalf("exec hostname = %q, %v", out, err)
+	}
+	if _, _, err := tb.Exec(ctx, "default", "echo", "echo", "/echo", "cat", "/nonexistent"); err == nil {
+		t.Fatal("exec of a failing command succeeded")
+	}
+
+	// The pod's network namespace: eth0 holds the pod IP, lo is up (loopback plugin).
+	path, err := tb.PodNetns(ctx, "default", "echo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("pod netns %s", path)
+	err = tb.InPodNetns(ctx, "default", "echo", func() error {
+		eth0, err := netlink.LinkByName("eth0")
+		if err != nil {
+			return err
+		}
+		addrs, err := netlink.AddrList(eth0, netlink.FAMILY_V4)
+		if err != nil {
+			return err
+		}
+		found := false
+		for _, a := range addrs {
+			found = found || a.IP.String() == pod.Status.PodIP
+		}
+		if !found {
+			return fmt.Errorf("eth0 addresses %v lack %s", addrs, pod.Status.PodIP)
+		}
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		if lo.Attrs().Flags&net.FlagUp == 0 {
+			return errors.New("lo is down")
+		}
+		// A connection from inside the pod to its own server.
+		_, err = echoRoundTrip(net.JoinHostPort("127.0.0.1", strconv.Itoa(EchoPort)))
+		return err
+	})
+	if err != nil {
+		t.Fatalf("in pod netns: %v", err)
+	}
+
+	// A DaemonSet rolls out (controller-manager + scheduler + kubelet).
+	began = time.Now()
+	ds := &appsv1.DaemonSet{
+		ObjectMeta: metav1.ObjectMeta{Name: "echo-ds", Namespace: "default"},
+		Spec: appsv1.DaemonSetSpec{
+			Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "echo-ds"}},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "echo-ds"}},
+				Spec:       EchoPod("x", 0).Spec,
+			},
+		},
+	}
+	if _, err := tb.Client.AppsV1().DaemonSets("default").Create(ctx, ds, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tb.WaitDaemonSet(ctx, "default", "echo-ds"); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("daemonset rolled out in %s", time.Since(began).Round(time.Millisecond))
+
+	// A projected ServiceAccount token is mounted (default SA and kube-root-ca.crt exist).
+	out, _, err = tb.Exec(ctx, "default", "echo", "echo", "/echo", "cat", "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")
+	if err != nil || !strings.Contains(out, "BEGIN CERTIFICATE") {
+		t.Fatalf("service account ca.crt = %q, %v", out, err)
+	}
+}
+
+func echoRoundTrip(addr string) (string, error) {
+	c, err := net.DialTimeout("tcp", addr, 3*time.Second)
+	if err != nil {
+		return "", err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(3 * time.Second))
+	r := bufio.NewReader(c)
+	line, err := r.ReadString('\n')
+	if err != nil {
+		return "", err
+	}
+	if _, err := fmt.Fprintf(c, "ping\n"); err != nil {
+		return "", err
+	}
+	if back, err := r.ReadString('\n'); err != nil || back != "ping\n" {
+		return "", fmt.Errorf("echo back %q, %v", back, err)
+	}
+	return strings.TrimSpace(line), nil
+}
+
+func mustCIDR(s string) *net.IPNet {
+	_, n, err := net.ParseCIDR(s)
+	if err != nil {
+		panic(err)
+	}
+	return n
+}
+
+// TestAPIOnly proves the etcd + kube-apiserver mode starts within 10 s from the
+// cache and serves the API.
+func TestAPIOnly(t *testing.T) {
+	requireOwnTestbed(t)
+	began := time.Now()
+	tb := start(t, Options{APIOnly: true})
+	took := time.Since(began)
+	if took > 10*time.Second {
+		t.Errorf("api-only start took %s, want ≤ 10s", took)
+	}
+	ctx := context.Background()
+	v, err := tb.Client.Discovery().ServerVersion()
+	if err != nil || v.GitVersion != KubernetesVersion {
+		t.Fatalf("server version %v, %v", v, err)
+	}
+	cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "x", Namespace: "default"}, Data: map[string]string{"k": "v"}}
+	if _, err := tb.Client.CoreV1().ConfigMaps("default").Create(ctx, cm, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if ps := ourProcesses(); len(ps) != 2 {
+		t.Errorf("api-only runs %v, want etcd and kube-apiserver", describe(ps))
+	}
+	stopClean(t, tb)
+}
+
+// TestDownIsIdempotent: Down with nothing running succeeds and leaves nothing.
+func TestDownIsIdempotent(t *testing.T) {
+	requireOwnTestbed(t)
+	// Wait for other test binaries using the test bed (Down refuses to stop them).
+	deadline := time.Now().Add(5 * time.Minute)
+	for {
+		if _, _, busy := Busy(); !busy {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the test bed stayed busy for 5 minutes")
+		}
+		time.Sleep(time.Second)
+	}
+	for range 2 {
+		if err := Down(context.Background(), nil, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if left := Leftovers(); len(left) > 0 {
+		t.Fatalf("left: %v", left)
+	}
+}
+
+func TestConflist(t *testing.T) {
+	plugins := append(DefaultPlugins(), map[string]any{"type": "meshcni"})
+	b, err := Conflist(plugins)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := string(b)
+	for _, want := range []string{`"cniVersion": "1.0.0"`, `"type": "bridge"`, `"type": "host-local"`, `"type": "portmap"`, `"type": "meshcni"`, PodCIDR, BridgeName} {
+		if !strings.Contains(s, want) {
+			t.Errorf("conflist lacks %s:\n%s", want, s)
+		}
+	}
+}
