@@ -1,0 +1,268 @@
+package agentsock
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+type collected struct {
+	logs chan *LogRecord
+	cmds chan *CommandResult
+}
+
+func startServer(t *testing.T, onReq func(context.Context, *Request) (json.RawMessage, error)) (string, *collected, context.CancelFunc, chan error) {
+	t.Helper()
+	dir := t.TempDir()
+	c := &collected{logs: make(chan *LogRecord, 100), cmds: make(chan *CommandResult, 100)}
+	s := &Server{Path: Path(dir), OnLog: func(r *LogRecord) { c.logs <- r }, OnCommand: func(r *CommandResult) { c.cmds <- r }, OnRequest: onReq}
+	ctx, cancel := context.WithCancel(context.Background())
+	l, err := Listen(s.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	finished := make(chan struct{})
+	go func() { done <- s.ServeListener(ctx, l); close(finished) }()
+	t.Cleanup(func() { cancel(); <-finished })
+	return dir, c, cancel, done
+}
+
+func recv[T any](t *testing.T, ch chan T) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(5 * time.Second):
+		t.Fatal("timed out waiting for a message")
+	}
+	var zero T
+	return zero
+}
+
+func TestLogAndCommandRoundTrip(t *testing.T) {
+	dir, got, _, _ := startServer(t, nil)
+	fi, err := os.Stat(Path(dir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi.Mode().Perm() != 0o600 || fi.Mode()&os.ModeSocket == 0 {
+		t.Errorf("socket mode %v, want socket 0600", fi.Mode())
+	}
+	c, err := Dial(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+
+	log := slog.New(c.Handler(slog.LevelDebug, nil)).With(KeyPodNamespace, "default", KeyPodName, "web-0")
+	for _, tc := range []struct {
+		name  string
+		do    func()
+		level string
+		msg   string
+		attrs map[string]any
+	}{
+		{"plain", func() { log.Info("redirect applied", "backend", "nftables", "rules", 12) },
+			"INFO", "redirect applied", map[string]any{"backend": "nftables", "rules": float64(12)}},
+		{"error and group", func() {
+			log.WithGroup("netns").Error("apply failed", "path", "/run/netns/x", "err", errors.New("boom"), slog.Group("t", "ms", 3))
+		}, "ERROR", "apply failed", map[string]any{"netns.path": "/run/netns/x", "netns.err": "boom", "netns.t.ms": float64(3)}},
+		{"debug", func() { log.Debug("d", "dur", 1500*time.Millisecond) }, "DEBUG", "d", map[string]any{"dur": "1.5s"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.do()
+			r := recv(t, got.logs)
+			if r.Level != tc.level || r.Msg != tc.msg || r.Pod != (Pod{Namespace: "default", Name: "web-0"}) {
+				t.Errorf("record = %+v", r)
+			}
+			for k, v := range tc.attrs {
+				if r.Attrs[k] != v {
+					t.Errorf("attr %s = %#v, want %#v (all: %v)", k, r.Attrs[k], v, r.Attrs)
+				}
+			}
+			if len(r.Attrs) != len(tc.attrs) {
+				t.Errorf("attrs = %v, want %v", r.Attrs, tc.attrs)
+			}
+		})
+	}
+
+	if err := c.ReportCommand(CommandAdd, ResultError, 42*time.Millisecond, Pod{"ns", "p"}, errors.New("no netns")); err != nil {
+		t.Fatal(err)
+	}
+	r := recv(t, got.cmds)
+	want := CommandResult{Command: "ADD", Result: "error", Seconds: 0.042, Pod: Pod{"ns", "p"}, ErrorMsg: "no netns"}
+	if *r != want {
+		t.Errorf("command = %+v, want %+v", *r, want)
+	}
+}
+
+func TestRequests(t *testing.T) {
+	dir, _, _, _ := startServer(t, func(_ context.Context, r *Request) (json.RawMessage, error) {
+		if r.Type != "echo" {
+			return nil, ErrUnsupported
+		}
+		return r.Body, nil
+	})
+	c, err := Dial(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	var out map[string]string
+	if err := c.Call(ctx, "echo", map[string]string{"a": "b"}, &out); err != nil || out["a"] != "b" {
+		t.Errorf("echo = %v, %v", out, err)
+	}
+	if err := c.Call(ctx, "pod", nil, nil); err == nil || !strings.Contains(err.Error(), "unsupported") {
+		t.Errorf("unknown request = %v, want unsupported", err)
+	}
+	// One-way messages still flow on the same connection.
+	if err := c.ReportCommand(CommandDel, ResultSuccess, time.Millisecond, Pod{}, nil); err != nil {
+		t.Error(err)
+	}
+}
+
+func TestNoAgent(t *testing.T) {
+	dir := t.TempDir()
+	start := time.Now()
+	c, err := Dial(dir)
+	if err == nil {
+		t.Fatal("Dial without an agent succeeded")
+	}
+	if d := time.Since(start); d > 100*time.Millisecond {
+		t.Errorf("Dial took %v", d)
+	}
+	// A nil client is usable: no-ops, and the handler falls back.
+	if err := c.ReportCommand(CommandAdd, ResultSuccess, 0, Pod{}, nil); !errors.Is(err, ErrClosed) {
+		t.Errorf("ReportCommand on nil = %v", err)
+	}
+	var buf bytes.Buffer
+	slog.New(c.Handler(slog.LevelInfo, slog.NewJSONHandler(&buf, nil))).Info("hello", KeyPodName, "p")
+	if !strings.Contains(buf.String(), `"msg":"hello"`) || !strings.Contains(buf.String(), `"pod_name":"p"`) {
+		t.Errorf("fallback got %q", buf.String())
+	}
+	if c.Close() != nil || c.Connected() {
+		t.Error("nil client Close/Connected")
+	}
+}
+
+func TestAgentGoneFallsBack(t *testing.T) {
+	dir, got, cancel, done := startServer(t, nil)
+	c, err := Dial(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	log := slog.New(c.Handler(slog.LevelInfo, slog.NewTextHandler(&buf, nil)))
+	log.Info("first")
+	recv(t, got.logs)
+	cancel()
+	<-done
+	if _, err := os.Stat(Path(dir)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("socket left after shutdown: %v", err)
+	}
+	// The first writes after the agent closed may still succeed into the dead socket's
+	// buffer; within a few the client notices and falls back.
+	for i := 0; i < 100 && c.Connected(); i++ {
+		log.Info("later")
+		time.Sleep(time.Millisecond)
+	}
+	if c.Connected() {
+		t.Fatal("client still connected to a stopped agent")
+	}
+	if !strings.Contains(buf.String(), "later") {
+		t.Errorf("fallback got %q", buf.String())
+	}
+}
+
+// An agent that accepts but never reads cannot block the plugin.
+func TestStuckAgentNeverBlocks(t *testing.T) {
+	dir := t.TempDir()
+	l, err := net.Listen("unix", Path(dir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		conn, err := l.Accept()
+		if err == nil {
+			defer conn.Close()
+			time.Sleep(10 * time.Second)
+		}
+	}()
+	c, err := Dial(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	attrs := strings.Repeat("x", 4096)
+	var worst time.Duration
+	for range 2000 {
+		start := time.Now()
+		_ = c.ReportCommand(CommandAdd, ResultSuccess, 0, Pod{Name: attrs}, nil)
+		if d := time.Since(start); d > worst {
+			worst = d
+		}
+		if !c.Connected() {
+			break
+		}
+	}
+	if c.Connected() {
+		t.Fatal("8 MiB into a socket nobody reads, and still connected")
+	}
+	if worst > 50*time.Millisecond {
+		t.Errorf("worst ReportCommand took %v, want about WriteTimeout (%v)", worst, WriteTimeout)
+	}
+}
+
+func TestMalformedLineClosesConnection(t *testing.T) {
+	dir, got, _, _ := startServer(t, nil)
+	conn, err := net.Dial("unix", filepath.Join(dir, SocketName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.Write([]byte("{not json\n" + `{"v":1,"kind":"cmd","cmd":{"command":"ADD"}}` + "\n"))
+	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := conn.Read(make([]byte, 1)); err == nil {
+		t.Error("connection still open after a malformed line")
+	}
+	select {
+	case r := <-got.cmds:
+		t.Errorf("message after a malformed line was handled: %+v", r)
+	default:
+	}
+}
+
+func BenchmarkReportCommand(b *testing.B) {
+	dir := b.TempDir()
+	s := &Server{Path: Path(dir), OnCommand: func(*CommandResult) {}}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	l, err := Listen(s.Path)
+	if err != nil {
+		b.Fatal(err)
+	}
+	go s.ServeListener(ctx, l)
+	c, err := Dial(dir)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer c.Close()
+	b.ResetTimer()
+	for b.Loop() {
+		if err := c.ReportCommand(CommandAdd, ResultSuccess, time.Millisecond, Pod{"ns", "p"}, nil); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -1,0 +1,99 @@
+// Package agentsock is the protocol between the meshcni CNI plugin and the node agent:
+// JSON lines over a unix stream socket in the agent's run directory.
+//
+// Every line is one Message. The plugin sends "log" and "cmd" messages, one way: the
+// agent does not answer them. A "req" message carries an ID and is answered by one
+// "resp" message with the same ID; this is the room left for questions to the agent
+// (such as a pod from its informer cache). An agent answers a request kind it does not
+// know with an error, so a newer plugin can talk to an older agent.
+//
+// The client side (Dial, Client) uses only the standard library: it is linked into
+// the CNI plugin, which must stay small, start fast and never wait on the agent for
+// more than a few milliseconds.
+package agentsock
+
+import (
+	"encoding/json"
+	"path/filepath"
+	"time"
+)
+
+// SocketName is the socket's file name in the run directory.
+const SocketName = "agent.sock"
+
+// Version is the protocol version carried by every message.
+const Version = 1
+
+// Path returns the socket path in runDir.
+func Path(runDir string) string { return filepath.Join(runDir, SocketName) }
+
+// Message kinds.
+const (
+	KindLog      = "log"
+	KindCommand  = "cmd"
+	KindRequest  = "req"
+	KindResponse = "resp"
+)
+
+// Message is one line on the socket.
+type Message struct {
+	V    int            `json:"v"`
+	Kind string         `json:"kind"`
+	ID   uint64         `json:"id,omitempty"`
+	Log  *LogRecord     `json:"log,omitempty"`
+	Cmd  *CommandResult `json:"cmd,omitempty"`
+	Req  *Request       `json:"req,omitempty"`
+	Resp *Response      `json:"resp,omitempty"`
+}
+
+// Pod names the pod a CNI command is for.
+type Pod struct {
+	Namespace string `json:"namespace,omitempty"`
+	Name      string `json:"name,omitempty"`
+}
+
+// LogRecord is one of the plugin's log records.
+type LogRecord struct {
+	Time  time.Time      `json:"time"`
+	Level string         `json:"level"` // slog level name: DEBUG, INFO, WARN, ERROR
+	Msg   string         `json:"msg"`
+	Pod   Pod            `json:"pod"`
+	Attrs map[string]any `json:"attrs,omitempty"`
+}
+
+// CNI commands and results of a CommandResult.
+const (
+	CommandAdd   = "ADD"
+	CommandDel   = "DEL"
+	CommandCheck = "CHECK"
+
+	ResultSuccess = "success"
+	ResultError   = "error"
+)
+
+// CommandResult is the outcome of one CNI command.
+type CommandResult struct {
+	Command  string  `json:"command"`
+	Result   string  `json:"result"`
+	Seconds  float64 `json:"duration_seconds"`
+	Pod      Pod     `json:"pod"`
+	ErrorMsg string  `json:"error,omitempty"`
+}
+
+// Request asks the agent something; Body's shape depends on Type.
+type Request struct {
+	Type string          `json:"type"`
+	Body json.RawMessage `json:"body,omitempty"`
+}
+
+// Response answers a Request.
+type Response struct {
+	Error string          `json:"error,omitempty"`
+	Body  json.RawMessage `json:"body,omitempty"`
+}
+
+// Log attribute keys lifted into LogRecord.Pod.
+const (
+	KeyPodNamespace = "pod_namespace"
+	KeyPodName      = "pod_name"
+)

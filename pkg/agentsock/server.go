@@ -1,0 +1,187 @@
+package agentsock
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+)
+
+// MaxLine is the longest line the server reads; a longer one closes the connection.
+const MaxLine = 256 << 10
+
+// Server is the agent's side of the socket.
+type Server struct {
+	// Path of the socket (Path(runDir)).
+	Path string
+	// OnLog and OnCommand receive the plugin's messages; nil drops them.
+	OnLog     func(*LogRecord)
+	OnCommand func(*CommandResult)
+	// OnRequest answers requests; nil, or ErrUnsupported, answers "unsupported".
+	OnRequest func(ctx context.Context, req *Request) (json.RawMessage, error)
+	// Logger for connection errors (default slog.Default()).
+	Logger *slog.Logger
+}
+
+// ErrUnsupported answers a request type the agent does not know.
+var ErrUnsupported = errors.New("unsupported request type")
+
+// Listen creates the socket at path with mode 0600, replacing a stale one atomically:
+// it listens on a temporary name, sets the mode, and renames it into place, so no
+// client ever sees a socket with wider permissions.
+func Listen(path string) (*net.UnixListener, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, fmt.Errorf("agent socket directory: %w", err)
+	}
+	tmp := fmt.Sprintf("%s.%d.tmp", path, os.Getpid())
+	_ = os.Remove(tmp)
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
+	if err != nil {
+		return nil, fmt.Errorf("listen on agent socket: %w", err)
+	}
+	l.SetUnlinkOnClose(false)
+	if err := os.Chmod(tmp, 0o600); err != nil {
+		l.Close()
+		os.Remove(tmp)
+		return nil, fmt.Errorf("chmod agent socket: %w", err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		l.Close()
+		os.Remove(tmp)
+		return nil, fmt.Errorf("place agent socket: %w", err)
+	}
+	return l, nil
+}
+
+func inodeOf(path string) uint64 {
+	fi, err := os.Lstat(path)
+	if err != nil {
+		return 0
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		return st.Ino
+	}
+	return 0
+}
+
+// Serve listens on s.Path and serves connections until ctx ends, then removes the
+// socket (unless another agent replaced it meanwhile).
+func (s *Server) Serve(ctx context.Context) error {
+	l, err := Listen(s.Path)
+	if err != nil {
+		return err
+	}
+	return s.ServeListener(ctx, l)
+}
+
+// ServeListener serves on l (made by Listen at s.Path) until ctx ends.
+func (s *Server) ServeListener(ctx context.Context, l *net.UnixListener) error {
+	log := s.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	ino := inodeOf(s.Path)
+	var wg sync.WaitGroup
+	conns := map[net.Conn]struct{}{}
+	var mu sync.Mutex
+	stop := context.AfterFunc(ctx, func() {
+		l.Close()
+		mu.Lock()
+		for c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+	})
+	defer stop()
+	defer func() {
+		if ino != 0 && inodeOf(s.Path) == ino {
+			if err := os.Remove(s.Path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				log.Warn("remove agent socket", "path", s.Path, "err", err)
+			}
+		}
+	}()
+	for {
+		conn, err := l.Accept()
+		if err != nil {
+			mu.Lock()
+			for c := range conns {
+				c.Close()
+			}
+			mu.Unlock()
+			wg.Wait()
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("accept on agent socket: %w", err)
+		}
+		mu.Lock()
+		conns[conn] = struct{}{}
+		mu.Unlock()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s.serveConn(ctx, conn, log)
+			mu.Lock()
+			delete(conns, conn)
+			mu.Unlock()
+			conn.Close()
+		}()
+	}
+}
+
+func (s *Server) serveConn(ctx context.Context, conn net.Conn, log *slog.Logger) {
+	sc := bufio.NewScanner(conn)
+	sc.Buffer(make([]byte, 0, 4096), MaxLine)
+	w := bufio.NewWriter(conn)
+	for sc.Scan() {
+		var m Message
+		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
+			log.Warn("agent socket: malformed message, closing the connection", "err", err)
+			return
+		}
+		switch {
+		case m.Kind == KindLog && m.Log != nil:
+			if s.OnLog != nil {
+				s.OnLog(m.Log)
+			}
+		case m.Kind == KindCommand && m.Cmd != nil:
+			if s.OnCommand != nil {
+				s.OnCommand(m.Cmd)
+			}
+		case m.Kind == KindRequest && m.Req != nil:
+			resp := &Response{}
+			var body json.RawMessage
+			err := ErrUnsupported
+			if s.OnRequest != nil {
+				body, err = s.OnRequest(ctx, m.Req)
+			}
+			if err != nil {
+				resp.Error = err.Error()
+			} else {
+				resp.Body = body
+			}
+			line, err := json.Marshal(&Message{V: Version, Kind: KindResponse, ID: m.ID, Resp: resp})
+			if err != nil {
+				log.Warn("agent socket: encode response", "err", err)
+				return
+			}
+			w.Write(append(line, '\n'))
+			if err := w.Flush(); err != nil {
+				return
+			}
+		default:
+			log.Debug("agent socket: ignored message", "kind", m.Kind, "v", m.V)
+		}
+	}
+	if err := sc.Err(); err != nil && ctx.Err() == nil && !errors.Is(err, net.ErrClosed) {
+		log.Warn("agent socket: read", "err", err)
+	}
+}
