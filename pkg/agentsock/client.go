@@ -299,4 +299,3 @@ func (h *handler) WithGroup(name string) slog.Handler {
 	}
 	return &h2
 }
-
