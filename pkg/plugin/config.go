@@ -1,0 +1,218 @@
+package plugin
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/types"
+	"github.com/containernetworking/cni/pkg/version"
+
+	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/cniconf"
+	"github.com/meshcni/meshcni/pkg/podspec"
+)
+
+// KubeconfigName is the kubeconfig the agent writes into cni_agent_run_dir.
+const KubeconfigName = "meshcni-kubeconfig"
+
+// Limits of api_timeout.
+const (
+	DefaultAPITimeout = 20 * time.Second
+	MaxAPITimeout     = 5 * time.Minute
+)
+
+// rawConfig is the JSON of meshcni's entry: the agent's cniconf.PluginEntry, plus the
+// fields an operator may add by hand. Its "kubernetes" object (Istio's legacy block)
+// shadows PluginEntry's to also accept its exclude_namespaces.
+type rawConfig struct {
+	cniconf.PluginEntry
+	Kubernetes struct {
+		cniconf.Kubernetes
+		ExcludeNamespaces []string `json:"exclude_namespaces"`
+	} `json:"kubernetes"`
+	NativeNftables *bool           `json:"native_nftables"`
+	APITimeout     json.RawMessage `json:"api_timeout"`
+	AgentPodLabel  string          `json:"agent_pod_label"`
+}
+
+// Config is meshcni's parsed, typed configuration (one CNI invocation's stdin).
+type Config struct {
+	types.PluginConf // cniVersion, name, type, prevResult (parsed into PrevResult)
+
+	LogLevel          slog.Level
+	AgentRunDir       string // "" when not set
+	Kubeconfig        string // the resolved kubeconfig path
+	ExcludeNamespaces []string
+	Backend           backend.Kind
+	APITimeout        time.Duration
+	AgentLabel        podspec.Label
+}
+
+// PodspecConfig is the decision's view of the configuration.
+func (c *Config) PodspecConfig() podspec.Config {
+	return podspec.Config{ExcludeNamespaces: c.ExcludeNamespaces, AgentLabel: c.AgentLabel}
+}
+
+var dns1123Label = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`)
+
+func badField(field string, value any, reason string) *types.Error {
+	return types.NewError(types.ErrInvalidNetworkConfig,
+		fmt.Sprintf("meshcni config: invalid %s %v: %s", field, value, reason), "")
+}
+
+// ParseConfig parses meshcni's configuration from a CNI invocation's stdin. A
+// malformed document is types.ErrDecodingFailure, a bad value
+// types.ErrInvalidNetworkConfig; either message names the field. The prevResult,
+// when present, is parsed into PrevResult (see RequirePrevResult).
+func ParseConfig(stdin []byte) (*Config, error) {
+	c := &Config{}
+	if err := json.Unmarshal(stdin, &c.PluginConf); err != nil {
+		return nil, types.NewError(types.ErrDecodingFailure, "meshcni config: "+describeJSONError(err), "")
+	}
+	var raw rawConfig
+	dec := json.NewDecoder(bytes.NewReader(stdin))
+	if err := dec.Decode(&raw); err != nil {
+		return nil, types.NewError(types.ErrDecodingFailure, "meshcni config: "+describeJSONError(err), "")
+	}
+	if raw.Type != "" && raw.Type != cniconf.PluginType {
+		return nil, badField("type", strconv.Quote(raw.Type), "want \"meshcni\"")
+	}
+
+	switch strings.ToLower(strings.TrimSpace(raw.PluginLogLevel)) {
+	case "", "info":
+		c.LogLevel = slog.LevelInfo
+	case "debug":
+		c.LogLevel = slog.LevelDebug
+	case "warn", "warning":
+		c.LogLevel = slog.LevelWarn
+	case "error":
+		c.LogLevel = slog.LevelError
+	default:
+		return nil, badField("plugin_log_level", strconv.Quote(raw.PluginLogLevel), "want debug, info, warn or error")
+	}
+
+	for _, p := range []struct{ name, v string }{
+		{"cni_agent_run_dir", raw.CNIAgentRunDir},
+		{"kubernetes.kubeconfig", raw.Kubernetes.Kubeconfig},
+	} {
+		if p.v != "" && !filepath.IsAbs(p.v) {
+			return nil, badField(p.name, strconv.Quote(p.v), "want an absolute path")
+		}
+	}
+	c.AgentRunDir = filepath.Clean(raw.CNIAgentRunDir)
+	if raw.CNIAgentRunDir == "" {
+		c.AgentRunDir = ""
+	}
+	switch {
+	case raw.Kubernetes.Kubeconfig != "":
+		c.Kubeconfig = filepath.Clean(raw.Kubernetes.Kubeconfig)
+	case c.AgentRunDir != "":
+		c.Kubeconfig = filepath.Join(c.AgentRunDir, KubeconfigName)
+	default:
+		return nil, badField("cni_agent_run_dir", `""`, "set cni_agent_run_dir (where meshcni-agent writes "+KubeconfigName+") or kubernetes.kubeconfig")
+	}
+
+	seen := map[string]bool{}
+	for _, list := range [][]string{raw.ExcludeNamespaces, raw.Kubernetes.ExcludeNamespaces} {
+		for _, ns := range list {
+			if len(ns) > 63 || !dns1123Label.MatchString(ns) {
+				return nil, badField("exclude_namespaces", strconv.Quote(ns), "not a valid namespace name")
+			}
+			if !seen[ns] {
+				seen[ns] = true
+				c.ExcludeNamespaces = append(c.ExcludeNamespaces, ns)
+			}
+		}
+	}
+
+	b, err := parseBackend(raw.Backend)
+	if err != nil {
+		return nil, badField("backend", strconv.Quote(raw.Backend), err.Error())
+	}
+	if raw.NativeNftables != nil && *raw.NativeNftables {
+		if b != backend.Auto && b != backend.Nftables {
+			return nil, badField("native_nftables", true, fmt.Sprintf("conflicts with backend %q", raw.Backend))
+		}
+		b = backend.Nftables
+	}
+	c.Backend = b
+
+	if c.APITimeout, err = parseTimeout(raw.APITimeout); err != nil {
+		return nil, badField("api_timeout", string(raw.APITimeout), err.Error())
+	}
+
+	c.AgentLabel, _ = podspec.ParseLabel(podspec.DefaultAgentLabel)
+	if raw.AgentPodLabel != "" {
+		if c.AgentLabel, err = podspec.ParseLabel(raw.AgentPodLabel); err != nil {
+			return nil, badField("agent_pod_label", strconv.Quote(raw.AgentPodLabel), err.Error())
+		}
+	}
+
+	if err := version.ParsePrevResult(&c.PluginConf); err != nil {
+		return nil, types.NewError(types.ErrDecodingFailure, "meshcni config: prevResult: "+err.Error(), "")
+	}
+	return c, nil
+}
+
+// parseBackend accepts backend.ParseKind's names plus "iptables" (cniconf's name for
+// "iptables, as the node runs it"), which selects iptables-nft.
+func parseBackend(s string) (backend.Kind, error) {
+	if strings.EqualFold(strings.TrimSpace(s), "iptables") {
+		return backend.IptablesNft, nil
+	}
+	k, err := backend.ParseKind(s)
+	if err != nil {
+		return "", errors.New("want auto, nftables, iptables-nft, iptables-legacy or iptables")
+	}
+	return k, nil
+}
+
+// parseTimeout takes a Go duration string ("5s") or a number of seconds.
+func parseTimeout(raw json.RawMessage) (time.Duration, error) {
+	if len(raw) == 0 || string(raw) == "null" {
+		return DefaultAPITimeout, nil
+	}
+	var d time.Duration
+	var s string
+	var f float64
+	switch {
+	case json.Unmarshal(raw, &s) == nil:
+		var err error
+		if d, err = time.ParseDuration(strings.TrimSpace(s)); err != nil {
+			return 0, errors.New("want a duration such as \"10s\" or a number of seconds")
+		}
+	case json.Unmarshal(raw, &f) == nil:
+		d = time.Duration(f * float64(time.Second))
+	default:
+		return 0, errors.New("want a duration such as \"10s\" or a number of seconds")
+	}
+	if d <= 0 || d > MaxAPITimeout {
+		return 0, fmt.Errorf("want more than 0 and at most %s", MaxAPITimeout)
+	}
+	return d, nil
+}
+
+// describeJSONError says where a JSON document is wrong.
+func describeJSONError(err error) string {
+	var se *json.SyntaxError
+	var te *json.UnmarshalTypeError
+	switch {
+	case errors.As(err, &se):
+		return fmt.Sprintf("malformed JSON at byte %d: %v", se.Offset, se)
+	case errors.As(err, &te):
+		field := te.Field
+		if field == "" {
+			field = "(document)"
+		}
+		return fmt.Sprintf("field %s: got JSON %s, want %s", field, te.Value, te.Type)
+	}
+	return "malformed JSON: " + err.Error()
+}

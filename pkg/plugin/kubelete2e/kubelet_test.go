@@ -1,0 +1,262 @@
+// Package kubelete2e proves the meshcni plugin on a real node: kubelet and containerd
+// (pkg/testbed, full mode) call the conflist bridge + host-local + portmap + meshcni
+// for pods created through the API server.
+package kubelete2e
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/pkg/agentsock"
+	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/proxysim"
+	"github.com/meshcni/meshcni/pkg/testbed"
+)
+
+func TestMain(m *testing.M) { os.Exit(testbed.RunMain(m)) }
+
+const (
+	meshNS     = "mesh-e2e"
+	excludedNS = "excluded-e2e"
+)
+
+// commands records the CNI command results the plugin reports to the agent socket.
+type commands struct {
+	mu   sync.Mutex
+	list []agentsock.CommandResult
+}
+
+func (c *commands) add(r *agentsock.CommandResult) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.list = append(c.list, *r)
+}
+
+func (c *commands) find(cmd, ns, name string) []agentsock.CommandResult {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []agentsock.CommandResult
+	for _, r := range c.list {
+		if r.Command == cmd && r.Pod.Namespace == ns && r.Pod.Name == name {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// install builds meshcni into the test bed's CNI bin dir, writes the agent's run dir
+// (kubeconfig + a socket that records command results) and the conflist.
+func install(t *testing.T, tb *testbed.Testbed) *commands {
+	t.Helper()
+	gobin := testutil.RequireBinary(t, "go")
+	root, err := testutil.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(t.TempDir(), "meshcni")
+	cmd := exec.Command(gobin, "build", "-trimpath", "-o", bin, "./cmd/meshcni")
+	cmd.Dir, cmd.Env = root, append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	if err := testbed.InstallCNIPlugin(bin, "meshcni"); err != nil {
+		t.Fatal(err)
+	}
+	runDir, err := os.MkdirTemp("/run", "meshcni-e2e-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(runDir) })
+	kc, err := os.ReadFile(tb.Kubeconfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(runDir, "meshcni-kubeconfig"), kc, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	rec := &commands{}
+	srv := &agentsock.Server{Path: agentsock.Path(runDir), OnCommand: rec.add, OnLog: func(r *agentsock.LogRecord) {
+		t.Logf("plugin %s %s/%s: %s %v", r.Level, r.Pod.Namespace, r.Pod.Name, r.Msg, r.Attrs)
+	}}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = srv.Serve(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+
+	plugins := append(testbed.DefaultPlugins(), map[string]any{
+		"type":               "meshcni",
+		"plugin_log_level":   "debug",
+		"cni_agent_run_dir":  runDir,
+		"exclude_namespaces": []string{"kube-system", excludedNS},
+	})
+	conf, err := testbed.Conflist(plugins)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := testbed.WriteConflist(conf); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = testbed.WriteConflist(testbed.DefaultConflist()) })
+	return rec
+}
+
+// echoPod is testbed.EchoPod in ns; meshed pods get Istio's injection (status
+// annotation and an istio-proxy container, here the echo image on the excluded port
+// 15021) and no readiness probe (kubelet's probe would be redirected to a proxy).
+func echoPod(ns, name string, meshed bool, mut func(*corev1.Pod)) *corev1.Pod {
+	p := testbed.EchoPod(name, 0)
+	p.Namespace = ns
+	if meshed {
+		p.Annotations = map[string]string{podspec.AnnotationStatus: `{"containers":["istio-proxy"]}`}
+		p.Spec.Containers[0].ReadinessProbe = nil
+		p.Spec.Containers = append(p.Spec.Containers, corev1.Container{
+			Name: podspec.ProxyContainer, Image: testbed.EchoImage, ImagePullPolicy: corev1.PullNever,
+			Env: []corev1.EnvVar{{Name: "PORT", Value: "15021"}},
+		})
+	}
+	if mut != nil {
+		mut(p)
+	}
+	return p
+}
+
+func TestKubeletChain(t *testing.T) {
+	tb := testbed.Shared(t)
+	rec := install(t, tb)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	for _, ns := range []string{meshNS, excludedNS} {
+		if err := tb.CreateNamespace(ctx, ns); err != nil && !strings.Contains(err.Error(), "already exists") {
+			t.Fatal(err)
+		}
+	}
+	app := traffic.Cred{UID: 1000, GID: 1000}
+
+	t.Run("meshed pod is redirected", func(t *testing.T) {
+		pod, err := tb.CreatePod(ctx, echoPod(meshNS, "meshed", true, nil))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if pod, err = tb.WaitPodRunning(ctx, meshNS, pod.Name); err != nil {
+			t.Fatal(err)
+		}
+		netns, err := tb.PodNetns(ctx, meshNS, pod.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := podspec.Spec(pod)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ips []netip.Addr
+		for _, ip := range pod.Status.PodIPs {
+			ips = append(ips, netip.MustParseAddr(ip.IP))
+		}
+		podspec.WithFamilies(s, ips)
+		d, err := engine.Check(ctx, engine.Options{Backend: backend.Auto, NetnsPath: netns}, s)
+		if err != nil || !d.Empty() {
+			t.Fatalf("rules in the pod: err %v, drift:\n%s", err, d)
+		}
+		proxy := traffic.StartProxy(t, netns, traffic.ProxyOptions{})
+		podIP := netip.MustParseAddr(pod.Status.PodIP)
+		out := netip.AddrPortFrom(netip.MustParseAddr(testbed.NodeIP), 8080)
+		a := traffic.Dial(t, netns, out, traffic.DialOptions{Cred: app})
+		if a.Listener() != proxysim.ListenerOutbound || a.OrigDst() != out {
+			t.Fatalf("outbound: %+v (proxy %+v)", a.ProbeResult, a.Proxy)
+		}
+		in := netip.AddrPortFrom(podIP, testbed.EchoPort)
+		a = traffic.Dial(t, hostNetns(), in, traffic.DialOptions{Cred: app})
+		if a.Listener() != proxysim.ListenerInbound || a.OrigDst() != in {
+			t.Fatalf("inbound from the node: %+v (proxy %+v)", a.ProbeResult, a.Proxy)
+		}
+		if len(proxy.Records()) < 2 {
+			t.Fatalf("proxy records %v", proxy.Records())
+		}
+		if r := rec.find(agentsock.CommandAdd, meshNS, pod.Name); len(r) == 0 || r[len(r)-1].Result != agentsock.ResultSuccess {
+			t.Fatalf("ADD results %+v", r)
+		}
+		if err := tb.DeletePod(ctx, meshNS, pod.Name); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 30*time.Second, func() bool { return len(rec.find(agentsock.CommandDel, meshNS, pod.Name)) > 0 })
+		for _, r := range rec.find(agentsock.CommandDel, meshNS, pod.Name) {
+			if r.Result != agentsock.ResultSuccess {
+				t.Fatalf("DEL failed: %+v", r)
+			}
+		}
+	})
+
+	for _, tc := range []struct {
+		name, ns string
+		meshed   bool // injected, but must be left alone
+		mut      func(*corev1.Pod)
+	}{
+		{"plain", meshNS, false, nil},
+		{"excluded-namespace", excludedNS, true, nil},
+		{"inject-false", meshNS, true, func(p *corev1.Pod) { p.Labels[podspec.AnnotationInject] = "false" }},
+	} {
+		t.Run(tc.name+" is untouched", func(t *testing.T) {
+			p := echoPod(tc.ns, tc.name, tc.meshed, tc.mut)
+			if tc.meshed {
+				// Not redirected, so kubelet's probe works: keep it.
+				p.Spec.Containers[0].ReadinessProbe = testbed.EchoPod("x", 0).Spec.Containers[0].ReadinessProbe
+			}
+			pod, err := tb.CreatePod(ctx, p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if pod, err = tb.WaitPodReady(ctx, tc.ns, pod.Name); err != nil {
+				t.Fatal(err)
+			}
+			netns, err := tb.PodNetns(ctx, tc.ns, pod.Name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			l, err := engine.Live(ctx, engine.Options{Backend: backend.Auto, NetnsPath: netns})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for k, v := range l {
+				if strings.TrimSpace(v) != "" {
+					t.Fatalf("%s rules in an untouched pod:\n%s", k, v)
+				}
+			}
+			a := traffic.Dial(t, hostNetns(), netip.AddrPortFrom(netip.MustParseAddr(pod.Status.PodIP), testbed.EchoPort), traffic.DialOptions{Cred: app})
+			if a.Error != "" || !strings.Contains(a.Reply, tc.name) {
+				t.Fatalf("echo not reached directly: %+v", a.ProbeResult)
+			}
+			if err := tb.DeletePod(ctx, tc.ns, pod.Name); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+func waitFor(t *testing.T, d time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("condition not met within %s", d)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// hostNetns is the node's network namespace (the test's own: the test bed's bridge
+// lives there).
+func hostNetns() string { return fmt.Sprintf("/proc/%d/ns/net", os.Getpid()) }

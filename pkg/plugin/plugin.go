@@ -1,0 +1,442 @@
+// Package plugin is the meshcni CNI plugin: a chained plugin that, for pods with an
+// Istio sidecar, writes the traffic redirect istio-init would write (so workloads need
+// no NET_ADMIN), and passes every other pod through untouched.
+//
+// ADD reads the pod from the API server (a plain GET, bounded retries, a total
+// deadline) and fails closed: a pod whose redirect cannot be decided or applied is
+// not started. DEL removes meshcni's rules when the netns still exists and never fails
+// because it is gone. CHECK compares the live rules with the desired ones. STATUS
+// reports not-ready until the agent has installed the kubeconfig. GC has nothing to
+// collect: the rules live in the pod's netns and die with it.
+package plugin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/cni/pkg/version"
+	"github.com/containernetworking/plugins/pkg/ns"
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/meshcni/meshcni/pkg/agentsock"
+	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/spec"
+)
+
+// SupportedVersions are the CNI spec versions the plugin speaks.
+var SupportedVersions = version.PluginSupports("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
+
+// K8sArgs is what the runtime passes in CNI_ARGS for Kubernetes pods.
+type K8sArgs struct {
+	types.CommonArgs
+	K8S_POD_NAMESPACE          types.UnmarshallableString //nolint:revive // CNI_ARGS names
+	K8S_POD_NAME               types.UnmarshallableString //nolint:revive
+	K8S_POD_INFRA_CONTAINER_ID types.UnmarshallableString //nolint:revive
+	K8S_POD_UID                types.UnmarshallableString //nolint:revive
+}
+
+// Engine programs a pod's netns (pkg/engine in production; a fake in unit tests).
+type Engine interface {
+	Apply(ctx context.Context, o engine.Options, s *spec.Spec) (backend.Kind, error)
+	Check(ctx context.Context, o engine.Options, s *spec.Spec) (backend.Drift, error)
+	Clean(ctx context.Context, o engine.Options) error
+}
+
+type realEngine struct{}
+
+func (realEngine) Apply(ctx context.Context, o engine.Options, s *spec.Spec) (backend.Kind, error) {
+	return engine.Apply(ctx, o, s)
+}
+func (realEngine) Check(ctx context.Context, o engine.Options, s *spec.Spec) (backend.Drift, error) {
+	return engine.Check(ctx, o, s)
+}
+func (realEngine) Clean(ctx context.Context, o engine.Options) error { return engine.Clean(ctx, o) }
+
+// Plugin runs CNI commands. The zero value is not usable; use New.
+type Plugin struct {
+	Engine Engine
+	Stdout io.Writer // the CNI result
+	Stderr io.Writer // logs when the agent's socket is unreachable
+	// NewPodGetter builds the API client from a kubeconfig path (tests replace it).
+	NewPodGetter func(kubeconfig string) (PodGetter, error)
+}
+
+// PodGetter fetches one pod (PodClient in production).
+type PodGetter interface {
+	GetPod(ctx context.Context, namespace, name string) (*corev1.Pod, error)
+	Server() string
+}
+
+// New returns the production plugin: pkg/engine, os.Stdout, os.Stderr.
+func New() *Plugin {
+	return &Plugin{
+		Engine: realEngine{},
+		Stdout: os.Stdout,
+		Stderr: os.Stderr,
+		NewPodGetter: func(path string) (PodGetter, error) {
+			cfg, err := LoadKubeconfig(path)
+			if err != nil {
+				return nil, err
+			}
+			return NewPodClient(cfg), nil
+		},
+	}
+}
+
+// Funcs are the plugin's commands for skel.PluginMainFuncs.
+func (p *Plugin) Funcs() skel.CNIFuncs {
+	return skel.CNIFuncs{Add: p.Add, Del: p.Del, Check: p.Check, Status: p.Status, GC: p.GC}
+}
+
+// Main runs the plugin as a CNI binary.
+func Main(buildVersion string) {
+	skel.PluginMainFuncs(New().Funcs(), SupportedVersions, "meshcni "+buildVersion+": Istio sidecar traffic redirect as a chained CNI plugin")
+}
+
+// invocation is one command's parsed input and its logging.
+type invocation struct {
+	cfg       *Config
+	args      *skel.CmdArgs
+	namespace string
+	name      string
+	uid       string
+	log       *slog.Logger
+	sock      *agentsock.Client
+	start     time.Time
+}
+
+func (p *Plugin) begin(args *skel.CmdArgs) (*invocation, error) {
+	inv := &invocation{args: args, start: time.Now()}
+	cfg, err := ParseConfig(args.StdinData)
+	if err != nil {
+		return nil, err
+	}
+	inv.cfg = cfg
+	var k K8sArgs
+	k.IgnoreUnknown = true
+	if err := types.LoadArgs(args.Args, &k); err != nil {
+		return nil, types.NewError(types.ErrInvalidEnvironmentVariables, "meshcni: cannot parse CNI_ARGS: "+err.Error(), "")
+	}
+	inv.namespace, inv.name, inv.uid = string(k.K8S_POD_NAMESPACE), string(k.K8S_POD_NAME), string(k.K8S_POD_UID)
+
+	fallback := slog.NewTextHandler(p.Stderr, &slog.HandlerOptions{Level: cfg.LogLevel})
+	var h slog.Handler = fallback
+	if cfg.AgentRunDir != "" {
+		if c, err := agentsock.Dial(cfg.AgentRunDir); err == nil {
+			inv.sock = c
+			h = c.Handler(cfg.LogLevel, fallback)
+		}
+	}
+	inv.log = slog.New(h).With("container_id", shortID(args.ContainerID))
+	if inv.namespace != "" || inv.name != "" {
+		inv.log = inv.log.With(agentsock.KeyPodNamespace, inv.namespace, agentsock.KeyPodName, inv.name)
+	}
+	return inv, nil
+}
+
+func (inv *invocation) end(command string, err error) {
+	if inv.sock == nil {
+		return
+	}
+	result := agentsock.ResultSuccess
+	if err != nil {
+		result = agentsock.ResultError
+	}
+	_ = inv.sock.ReportCommand(command, result, time.Since(inv.start), agentsock.Pod{Namespace: inv.namespace, Name: inv.name}, err)
+	_ = inv.sock.Close()
+}
+
+func shortID(id string) string {
+	if len(id) > 12 {
+		return id[:12]
+	}
+	return id
+}
+
+// skipReason says why a call needs neither the API nor any rule: not a Kubernetes
+// pod, or an excluded namespace. "" means the pod must be looked at.
+func (inv *invocation) skipReason() string {
+	if inv.namespace == "" || inv.name == "" {
+		return "not a Kubernetes pod (no K8S_POD_NAMESPACE/K8S_POD_NAME in CNI_ARGS)"
+	}
+	if inv.cfg.PodspecConfig().ExcludedNamespace(inv.namespace) {
+		return fmt.Sprintf("namespace %s is excluded", inv.namespace)
+	}
+	return ""
+}
+
+// prevResult returns the chained result, converted to the current version.
+func (inv *invocation) prevResult() (*current.Result, error) {
+	if inv.cfg.PrevResult == nil {
+		return nil, types.NewError(types.ErrInvalidNetworkConfig,
+			"meshcni is a chained plugin and got no prevResult: list it after the plugin that creates the pod's interface (e.g. bridge or ptp) in a conflist", "")
+	}
+	r, err := current.NewResultFromResult(inv.cfg.PrevResult)
+	if err != nil {
+		return nil, types.NewError(types.ErrDecodingFailure, "meshcni: cannot convert prevResult: "+err.Error(), "")
+	}
+	return r, nil
+}
+
+// printResult writes the prevResult unchanged, in the requested version.
+func (p *Plugin) printResult(inv *invocation, r *current.Result) error {
+	out, err := r.GetAsVersion(inv.cfg.CNIVersion)
+	if err != nil {
+		return types.NewError(types.ErrIncompatibleCNIVersion, "meshcni: cannot convert the result to version "+inv.cfg.CNIVersion+": "+err.Error(), "")
+	}
+	if err := out.PrintTo(p.Stdout); err != nil {
+		return fmt.Errorf("print result: %w", err)
+	}
+	return nil
+}
+
+// Add is CNI ADD.
+func (p *Plugin) Add(args *skel.CmdArgs) (err error) {
+	inv, err := p.begin(args)
+	if err != nil {
+		return err
+	}
+	defer func() { inv.end(agentsock.CommandAdd, err) }()
+	prev, err := inv.prevResult()
+	if err != nil {
+		return err
+	}
+	if err := p.add(inv, prev); err != nil {
+		inv.log.Error("ADD failed", "err", err, "duration", time.Since(inv.start))
+		return err
+	}
+	return p.printResult(inv, prev)
+}
+
+func (p *Plugin) add(inv *invocation, prev *current.Result) error {
+	if r := inv.skipReason(); r != "" {
+		inv.log.Info("pod not meshed", "reason", r)
+		return nil
+	}
+	ctx := context.Background()
+	pod, err := p.fetchPod(ctx, inv)
+	if err != nil {
+		return err
+	}
+	d := podspec.Decide(pod, inv.cfg.PodspecConfig())
+	if !d.Meshed {
+		inv.log.Info("pod not meshed", "reason", d.Reason)
+		return nil
+	}
+	s, err := inv.podSpec(pod, prev)
+	if err != nil {
+		return err
+	}
+	k, err := p.Engine.Apply(ctx, engine.Options{Backend: inv.cfg.Backend, NetnsPath: inv.args.Netns, Logger: inv.log}, s)
+	if err != nil {
+		return types.NewError(types.ErrInternal, fmt.Sprintf(
+			"meshcni cannot apply the traffic redirect of pod %s/%s in %s: %v; meshcni fails closed so the pod is not started unredirected",
+			inv.namespace, inv.name, inv.args.Netns, err), "")
+	}
+	inv.log.Info("pod meshed: redirect applied", "reason", d.Reason, "backend", k, "mode", s.Mode,
+		"ipv4", s.EnableIPv4, "ipv6", s.EnableIPv6, "duration", time.Since(inv.start))
+	return nil
+}
+
+// podSpec derives the spec and sets its families from the prevResult's addresses.
+func (inv *invocation) podSpec(pod *corev1.Pod, prev *current.Result) (*spec.Spec, error) {
+	res, err := podspec.Build(pod)
+	if err != nil {
+		return nil, types.NewError(types.ErrInvalidNetworkConfig, fmt.Sprintf(
+			"pod %s/%s: %v; fix the annotation and recreate the pod (no redirect rule was applied)",
+			inv.namespace, inv.name, trimPodPrefix(err, pod)), "")
+	}
+	for _, w := range res.Warnings {
+		inv.log.Warn(w)
+	}
+	podspec.WithFamilies(res.Spec, resultAddrs(prev))
+	return res.Spec, nil
+}
+
+func trimPodPrefix(err error, pod *corev1.Pod) string {
+	return strings.TrimPrefix(err.Error(), fmt.Sprintf("pod %s/%s: ", pod.Namespace, pod.Name))
+}
+
+// resultAddrs lists the result's IP addresses (the pod's addresses).
+func resultAddrs(r *current.Result) []netip.Addr {
+	var out []netip.Addr
+	for _, ip := range r.IPs {
+		if a, ok := netip.AddrFromSlice(ip.Address.IP); ok {
+			out = append(out, a.Unmap())
+		}
+	}
+	return out
+}
+
+// fetchPod GETs the pod within api_timeout and checks its UID. Every failure is a CNI
+// error saying what is wrong and what to do: meshcni fails closed.
+func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*corev1.Pod, error) {
+	const closed = "meshcni fails closed so the pod is not started unredirected"
+	getter, err := p.NewPodGetter(inv.cfg.Kubeconfig)
+	if err != nil {
+		return nil, types.NewError(types.ErrTryAgainLater, fmt.Sprintf(
+			"meshcni cannot load its kubeconfig: %v; %s; check that meshcni-agent is running on this node (it writes %s)",
+			err, closed, inv.cfg.Kubeconfig), "")
+	}
+	ctx, cancel := context.WithTimeout(ctx, inv.cfg.APITimeout)
+	defer cancel()
+	t0 := time.Now()
+	pod, err := getter.GetPod(ctx, inv.namespace, inv.name)
+	if err != nil {
+		return nil, apiFailure(inv, getter.Server(), err, time.Since(t0))
+	}
+	inv.log.Debug("pod fetched", "duration", time.Since(t0))
+	if inv.uid != "" && string(pod.UID) != inv.uid {
+		return nil, types.NewError(types.ErrInternal, fmt.Sprintf(
+			"pod %s/%s in the API has UID %s but the runtime is creating UID %s (the pod was deleted and recreated); %s; the runtime will retry with the current pod",
+			inv.namespace, inv.name, pod.UID, inv.uid, closed), "")
+	}
+	return pod, nil
+}
+
+func apiFailure(inv *invocation, server string, err error, took time.Duration) error {
+	const closed = "meshcni fails closed so the pod is not started unredirected"
+	var ae *APIError
+	if !errors.As(err, &ae) {
+		return types.NewError(types.ErrInternal, fmt.Sprintf("meshcni cannot get pod %s/%s: %v; %s", inv.namespace, inv.name, err, closed), "")
+	}
+	switch {
+	case ae.Status == 0:
+		return types.NewError(types.ErrTryAgainLater, fmt.Sprintf(
+			"cannot reach the Kubernetes API at %s to get pod %s/%s (gave up after %s): %v; %s; check that meshcni-agent is running on this node and that the API server is reachable from it",
+			server, inv.namespace, inv.name, took.Round(time.Millisecond), ae.Err, closed), "")
+	case ae.Status == 401 || ae.Status == 403:
+		return types.NewError(types.ErrInternal, fmt.Sprintf(
+			"the Kubernetes API at %s refused to let meshcni get pod %s/%s (%d %s: %v); %s; check meshcni-agent's RBAC (it needs get on pods) and that its kubeconfig token is current",
+			server, inv.namespace, inv.name, ae.Status, statusText(ae.Status), ae.Err, closed), "")
+	case ae.Status == 404:
+		return types.NewError(types.ErrInternal, fmt.Sprintf(
+			"pod %s/%s not found in the Kubernetes API at %s (gave up after %s); %s; if it is a static pod, wait for its mirror pod, otherwise it was deleted",
+			inv.namespace, inv.name, server, took.Round(time.Millisecond), closed), "")
+	}
+	return types.NewError(types.ErrTryAgainLater, fmt.Sprintf(
+		"the Kubernetes API at %s failed to return pod %s/%s (%d %s: %v, gave up after %s); %s",
+		server, inv.namespace, inv.name, ae.Status, statusText(ae.Status), ae.Err, took.Round(time.Millisecond), closed), "")
+}
+
+func statusText(code int) string {
+	switch code {
+	case 401:
+		return "Unauthorized"
+	case 403:
+		return "Forbidden"
+	case 404:
+		return "Not Found"
+	case 429:
+		return "Too Many Requests"
+	}
+	return "error"
+}
+
+// Del is CNI DEL: remove meshcni's rules if the netns still exists. It needs no
+// API, and a missing netns is success.
+func (p *Plugin) Del(args *skel.CmdArgs) (err error) {
+	inv, err := p.begin(args)
+	if err != nil {
+		return err
+	}
+	defer func() { inv.end(agentsock.CommandDel, err) }()
+	if r := inv.skipReason(); r != "" {
+		inv.log.Debug("DEL: nothing to clean", "reason", r)
+		return nil
+	}
+	if !netnsExists(args.Netns) {
+		inv.log.Debug("DEL: netns gone, its rules with it", "netns", args.Netns)
+		return nil
+	}
+	cerr := p.Engine.Clean(context.Background(), engine.Options{Backend: inv.cfg.Backend, NetnsPath: args.Netns, Logger: inv.log})
+	if cerr != nil {
+		if !netnsExists(args.Netns) {
+			inv.log.Debug("DEL: netns disappeared while cleaning", "netns", args.Netns)
+			return nil
+		}
+		inv.log.Error("DEL failed", "err", cerr)
+		return types.NewError(types.ErrInternal, fmt.Sprintf("meshcni cannot remove its rules from %s: %v", args.Netns, cerr), "")
+	}
+	inv.log.Info("DEL: rules removed", "duration", time.Since(inv.start))
+	return nil
+}
+
+// netnsExists reports whether path is a live network namespace.
+func netnsExists(path string) bool {
+	if path == "" {
+		return false
+	}
+	n, err := ns.GetNS(path)
+	if err != nil {
+		return false
+	}
+	_ = n.Close()
+	return true
+}
+
+// Check is CNI CHECK: the live rules must equal the desired ones.
+func (p *Plugin) Check(args *skel.CmdArgs) (err error) {
+	inv, err := p.begin(args)
+	if err != nil {
+		return err
+	}
+	defer func() { inv.end(agentsock.CommandCheck, err) }()
+	prev, err := inv.prevResult()
+	if err != nil {
+		return err
+	}
+	if r := inv.skipReason(); r != "" {
+		return nil
+	}
+	ctx := context.Background()
+	pod, err := p.fetchPod(ctx, inv)
+	if err != nil {
+		return err
+	}
+	if d := podspec.Decide(pod, inv.cfg.PodspecConfig()); !d.Meshed {
+		inv.log.Debug("CHECK: pod not meshed, nothing to check", "reason", d.Reason)
+		return nil
+	}
+	s, err := inv.podSpec(pod, prev)
+	if err != nil {
+		return err
+	}
+	drift, err := p.Engine.Check(ctx, engine.Options{Backend: inv.cfg.Backend, NetnsPath: args.Netns, Logger: inv.log}, s)
+	if err != nil {
+		return types.NewError(types.ErrInternal, fmt.Sprintf("meshcni cannot check the rules of pod %s/%s in %s: %v", inv.namespace, inv.name, args.Netns, err), "")
+	}
+	if !drift.Empty() {
+		return types.NewError(types.ErrInternal, fmt.Sprintf("meshcni's redirect of pod %s/%s in %s drifted from the desired rules; recreate the pod", inv.namespace, inv.name, args.Netns), drift.String())
+	}
+	return nil
+}
+
+// Status is CNI STATUS (1.1): ready once the agent has installed the kubeconfig.
+func (p *Plugin) Status(args *skel.CmdArgs) error {
+	cfg, err := ParseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	if _, err := os.Stat(cfg.Kubeconfig); err != nil {
+		return types.NewError(types.ErrPluginNotAvailable, fmt.Sprintf(
+			"meshcni is not ready: its kubeconfig %s is missing (%v); meshcni-agent writes it at install, check that it is running on this node", cfg.Kubeconfig, errors.Unwrap(err)), "")
+	}
+	return nil
+}
+
+// GC is CNI GC (1.1). meshcni keeps no state outside the pod's netns: its rules die
+// with the netns, so there is nothing to collect.
+func (p *Plugin) GC(*skel.CmdArgs) error { return nil }

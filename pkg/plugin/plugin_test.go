@@ -1,0 +1,437 @@
+package plugin
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/spec"
+)
+
+// fakeEngine records calls (unit tests only; the netns tests use pkg/engine).
+type fakeEngine struct {
+	mu      sync.Mutex
+	applied []*spec.Spec
+	opts    []engine.Options
+	cleaned []string
+	drift   backend.Drift
+	err     error
+}
+
+func (f *fakeEngine) Apply(_ context.Context, o engine.Options, s *spec.Spec) (backend.Kind, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.err != nil {
+		return "", f.err
+	}
+	f.applied = append(f.applied, s)
+	f.opts = append(f.opts, o)
+	return backend.Nftables, nil
+}
+
+func (f *fakeEngine) Check(context.Context, engine.Options, *spec.Spec) (backend.Drift, error) {
+	return f.drift, f.err
+}
+
+func (f *fakeEngine) Clean(_ context.Context, o engine.Options) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.cleaned = append(f.cleaned, o.NetnsPath)
+	return f.err
+}
+
+const prevResult100 = `{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","mac":"0a:58:0a:00:00:05","sandbox":"/var/run/netns/x"}],
+"ips":[{"interface":0,"address":"10.0.0.5/24","gateway":"10.0.0.1"},{"interface":0,"address":"fd00::5/64"}],"dns":{}}`
+
+// conf renders a meshcni configuration; extra is merged at the top level.
+func conf(t *testing.T, cniVersion string, runDir string, prev string, extra map[string]any) []byte {
+	t.Helper()
+	m := map[string]any{
+		"cniVersion":         cniVersion,
+		"name":               "k8s-pod-network",
+		"type":               "meshcni",
+		"plugin_log_level":   "debug",
+		"cni_agent_run_dir":  runDir,
+		"exclude_namespaces": []string{"kube-system"},
+		"api_timeout":        "1s",
+	}
+	if prev != "" {
+		m["prevResult"] = json.RawMessage(prev)
+	}
+	for k, v := range extra {
+		m[k] = v
+	}
+	b, err := json.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+type harness struct {
+	p      *Plugin
+	eng    *fakeEngine
+	api    *fakeAPI
+	runDir string
+	stdout *bytes.Buffer
+	stderr *bytes.Buffer
+	gets   int
+}
+
+func newHarness(t *testing.T) *harness {
+	h := &harness{eng: &fakeEngine{}, api: newFakeAPI(t, "tok"), runDir: t.TempDir(), stdout: &bytes.Buffer{}, stderr: &bytes.Buffer{}}
+	h.api.kubeconfig(t, h.runDir)
+	h.p = New()
+	h.p.Engine, h.p.Stdout, h.p.Stderr = h.eng, h.stdout, h.stderr
+	real := h.p.NewPodGetter
+	h.p.NewPodGetter = func(path string) (PodGetter, error) {
+		h.gets++
+		g, err := real(path)
+		if c, ok := g.(*PodClient); ok {
+			c.Backoff = 20 * time.Millisecond
+		}
+		return g, err
+	}
+	return h
+}
+
+func cmdArgs(ns, name, uid string, stdin []byte) *skel.CmdArgs {
+	a := fmt.Sprintf("IgnoreUnknown=1;K8S_POD_NAMESPACE=%s;K8S_POD_NAME=%s;K8S_POD_INFRA_CONTAINER_ID=abc", ns, name)
+	if uid != "" {
+		a += ";K8S_POD_UID=" + uid
+	}
+	if ns == "" {
+		a = ""
+	}
+	return &skel.CmdArgs{ContainerID: "0123456789abcdef", Netns: "/var/run/netns/none", IfName: "eth0", Args: a, StdinData: stdin}
+}
+
+func meshed(ns, name string, annotations map[string]string) *corev1.Pod {
+	a := map[string]string{podspec.AnnotationStatus: "{}"}
+	for k, v := range annotations {
+		a[k] = v
+	}
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, UID: "uid-" + "web", Annotations: a},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{
+			{Name: "app"}, {Name: podspec.ProxyContainer, Args: []string{"proxy", "sidecar"}},
+		}},
+	}
+}
+
+func cniErr(t *testing.T, err error) *types.Error {
+	t.Helper()
+	var e *types.Error
+	if !errors.As(err, &e) {
+		t.Fatalf("error %v (%T) is not a *types.Error", err, err)
+	}
+	return e
+}
+
+func TestAddMeshedAppliesAndPassesResultThrough(t *testing.T) {
+	for _, ver := range []string{"0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"} {
+		t.Run(ver, func(t *testing.T) {
+			h := newHarness(t)
+			h.api.addPod(meshed("app", "web", map[string]string{podspec.AnnotationExcludeOutboundPorts: "9999"}))
+			prev := strings.Replace(prevResult100, `"1.0.0"`, `"`+ver+`"`, 1)
+			if strings.HasPrefix(ver, "0.") {
+				prev = strings.Replace(prev, `"interface":0,`, `"version":"4","interface":0,`, 1)
+				prev = strings.Replace(prev, `{"interface":0,"address":"fd00`, `{"version":"6","interface":0,"address":"fd00`, 1)
+			}
+			if err := h.p.Add(cmdArgs("app", "web", "uid-web", conf(t, ver, h.runDir, prev, nil))); err != nil {
+				t.Fatal(err)
+			}
+			if len(h.eng.applied) != 1 {
+				t.Fatalf("applied %d times", len(h.eng.applied))
+			}
+			s := h.eng.applied[0]
+			if !s.EnableIPv4 || !s.EnableIPv6 || len(s.OutboundPortsExclude) != 1 || s.OutboundPortsExclude[0] != 9999 {
+				t.Fatalf("spec %+v", s)
+			}
+			if h.eng.opts[0].NetnsPath != "/var/run/netns/none" || h.eng.opts[0].Backend != backend.Auto {
+				t.Fatalf("options %+v", h.eng.opts[0])
+			}
+			var out map[string]any
+			if err := json.Unmarshal(h.stdout.Bytes(), &out); err != nil {
+				t.Fatalf("stdout %q: %v", h.stdout, err)
+			}
+			if out["cniVersion"] != ver {
+				t.Fatalf("result version %v, want %s", out["cniVersion"], ver)
+			}
+			ips, _ := out["ips"].([]any)
+			if len(ips) != 2 {
+				t.Fatalf("result ips %v", out["ips"])
+			}
+			if !strings.Contains(h.stderr.String(), "pod meshed: redirect applied") {
+				t.Fatalf("log: %s", h.stderr)
+			}
+		})
+	}
+}
+
+func TestAddSkipsWithoutTouchingTheAPI(t *testing.T) {
+	h := newHarness(t)
+	// A kubeconfig that does not exist: reading it would fail the call.
+	c := conf(t, "1.0.0", "/nonexistent/run", prevResult100, nil)
+	for _, a := range []*skel.CmdArgs{cmdArgs("", "", "", c), cmdArgs("kube-system", "coredns", "", c)} {
+		h.stdout.Reset()
+		if err := h.p.Add(a); err != nil {
+			t.Fatalf("%s: %v", a.Args, err)
+		}
+		if h.stdout.Len() == 0 {
+			t.Fatal("no result printed")
+		}
+	}
+	if h.gets != 0 || h.api.hits.Load() != 0 {
+		t.Fatalf("kubeconfig loaded %d times, API hit %d times", h.gets, h.api.hits.Load())
+	}
+	if !strings.Contains(h.stderr.String(), "not a Kubernetes pod") || !strings.Contains(h.stderr.String(), "namespace kube-system is excluded") {
+		t.Fatalf("log: %s", h.stderr)
+	}
+}
+
+func TestAddNotMeshed(t *testing.T) {
+	h := newHarness(t)
+	plain := meshed("app", "plain", nil)
+	plain.Spec.Containers = plain.Spec.Containers[:1]
+	h.api.addPod(plain)
+	optout := meshed("app", "optout", nil)
+	optout.Labels = map[string]string{podspec.AnnotationInject: "false"}
+	h.api.addPod(optout)
+	for _, name := range []string{"plain", "optout"} {
+		if err := h.p.Add(cmdArgs("app", name, "", conf(t, "1.0.0", h.runDir, prevResult100, nil))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(h.eng.applied) != 0 {
+		t.Fatal("rules applied to a pod that is not meshed")
+	}
+	log := h.stderr.String()
+	if !strings.Contains(log, "no istio-proxy container") || !strings.Contains(log, "label sidecar.istio.io/inject=false") {
+		t.Fatalf("log: %s", log)
+	}
+}
+
+func TestAddFailures(t *testing.T) {
+	tests := []struct {
+		name  string
+		setup func(h *harness) *skel.CmdArgs
+		code  uint
+		want  []string
+	}{
+		{"api forbidden", func(h *harness) *skel.CmdArgs {
+			h.api.setStatus(403)
+			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
+		}, types.ErrInternal, []string{"refused to let meshcni get pod app/web", "403 Forbidden", "cannot get resource", "fails closed", "RBAC"}},
+		{"pod not found", func(h *harness) *skel.CmdArgs {
+			return cmdArgs("app", "ghost", "", conf(t, "1.0.0", h.runDir, prevResult100, map[string]any{"api_timeout": 0.3}))
+		}, types.ErrInternal, []string{"pod app/ghost not found", "fails closed"}},
+		{"uid mismatch", func(h *harness) *skel.CmdArgs {
+			h.api.addPod(meshed("app", "web", nil))
+			return cmdArgs("app", "web", "uid-old", conf(t, "1.0.0", h.runDir, prevResult100, nil))
+		}, types.ErrInternal, []string{"has UID uid-web but the runtime is creating UID uid-old"}},
+		{"bad annotation", func(h *harness) *skel.CmdArgs {
+			h.api.addPod(meshed("app", "web", map[string]string{podspec.AnnotationIncludeInboundPorts: "80,http"}))
+			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
+		}, types.ErrInvalidNetworkConfig, []string{`traffic.sidecar.istio.io/includeInboundPorts "80,http"`, "no redirect rule was applied"}},
+		{"missing prevResult", func(h *harness) *skel.CmdArgs {
+			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, "", nil))
+		}, types.ErrInvalidNetworkConfig, []string{"chained plugin", "no prevResult"}},
+		{"kubeconfig missing", func(h *harness) *skel.CmdArgs {
+			return cmdArgs("app", "web", "", conf(t, "1.0.0", "/nonexistent/run", prevResult100, nil))
+		}, types.ErrTryAgainLater, []string{"cannot load its kubeconfig", "/nonexistent/run/meshcni-kubeconfig", "meshcni-agent is running"}},
+		{"engine fails", func(h *harness) *skel.CmdArgs {
+			h.api.addPod(meshed("app", "web", nil))
+			h.eng.err = errors.New("nft: boom")
+			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
+		}, types.ErrInternal, []string{"cannot apply the traffic redirect of pod app/web", "nft: boom", "fails closed"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			h := newHarness(t)
+			err := h.p.Add(tt.setup(h))
+			if err == nil {
+				t.Fatal("no error")
+			}
+			e := cniErr(t, err)
+			if e.Code != tt.code {
+				t.Errorf("code %d, want %d (%s)", e.Code, tt.code, e.Msg)
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(e.Msg, w) {
+					t.Errorf("message %q lacks %q", e.Msg, w)
+				}
+			}
+			if len(h.eng.applied) != 0 {
+				t.Error("rules applied despite the failure")
+			}
+			if h.stdout.Len() != 0 {
+				t.Errorf("stdout holds %q on failure", h.stdout)
+			}
+		})
+	}
+}
+
+func TestAddAPIUnreachableFailsClosedWithinDeadline(t *testing.T) {
+	h := newHarness(t)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	kc := filepath.Join(h.runDir, KubeconfigName)
+	doc := fmt.Sprintf("current-context: x\nclusters: [{name: c, cluster: {server: 'https://%s', insecure-skip-tls-verify: true}}]\nusers: [{name: u, user: {token: t}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\n", addr)
+	if err := os.WriteFile(kc, []byte(doc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	err = h.p.Add(cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, map[string]any{"api_timeout": "700ms"})))
+	took := time.Since(start)
+	e := cniErr(t, err)
+	if e.Code != types.ErrTryAgainLater {
+		t.Errorf("code %d", e.Code)
+	}
+	for _, w := range []string{"cannot reach the Kubernetes API at https://" + addr, "fails closed so the pod is not started unredirected", "check that meshcni-agent is running on this node"} {
+		if !strings.Contains(e.Msg, w) {
+			t.Errorf("message %q lacks %q", e.Msg, w)
+		}
+	}
+	if took < 600*time.Millisecond || took > 3*time.Second {
+		t.Errorf("took %s with a 700ms deadline", took)
+	}
+}
+
+func TestDel(t *testing.T) {
+	h := newHarness(t)
+	// The netns does not exist: success, nothing cleaned, no API.
+	c := conf(t, "1.0.0", "/nonexistent/run", "", nil)
+	if err := h.p.Del(cmdArgs("app", "web", "", c)); err != nil {
+		t.Fatal(err)
+	}
+	a := cmdArgs("app", "web", "", c)
+	a.Netns = ""
+	if err := h.p.Del(a); err != nil {
+		t.Fatal(err)
+	}
+	if len(h.eng.cleaned) != 0 || h.gets != 0 {
+		t.Fatalf("cleaned %v, kubeconfig loads %d", h.eng.cleaned, h.gets)
+	}
+	// The netns exists (our own): Clean is called with it.
+	a = cmdArgs("app", "web", "", c)
+	a.Netns = "/proc/self/ns/net"
+	if err := h.p.Del(a); err != nil {
+		t.Fatal(err)
+	}
+	if len(h.eng.cleaned) != 1 || h.eng.cleaned[0] != "/proc/self/ns/net" {
+		t.Fatalf("cleaned %v", h.eng.cleaned)
+	}
+}
+
+func TestCheck(t *testing.T) {
+	h := newHarness(t)
+	h.api.addPod(meshed("app", "web", nil))
+	c := conf(t, "1.0.0", h.runDir, prevResult100, nil)
+	if err := h.p.Check(cmdArgs("app", "web", "", c)); err != nil {
+		t.Fatal(err)
+	}
+	h.eng.drift = backend.Drift{Missing: []string{"nat ISTIO_OUTPUT -j ISTIO_REDIRECT"}}
+	e := cniErr(t, h.p.Check(cmdArgs("app", "web", "", c)))
+	if !strings.Contains(e.Msg, "drifted") || !strings.Contains(e.Details, "missing:    nat ISTIO_OUTPUT") {
+		t.Fatalf("%+v", e)
+	}
+	// Not meshed: nothing to check, whatever the engine says.
+	plain := meshed("app", "plain", nil)
+	plain.Annotations = nil
+	h.api.addPod(plain)
+	if err := h.p.Check(cmdArgs("app", "plain", "", c)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestStatusAndGC(t *testing.T) {
+	h := newHarness(t)
+	if err := h.p.Status(&skel.CmdArgs{StdinData: conf(t, "1.1.0", h.runDir, "", nil)}); err != nil {
+		t.Fatalf("ready: %v", err)
+	}
+	e := cniErr(t, h.p.Status(&skel.CmdArgs{StdinData: conf(t, "1.1.0", t.TempDir(), "", nil)}))
+	if e.Code != types.ErrPluginNotAvailable || !strings.Contains(e.Msg, "meshcni-kubeconfig is missing") {
+		t.Fatalf("%+v", e)
+	}
+	if err := h.p.GC(&skel.CmdArgs{StdinData: conf(t, "1.1.0", h.runDir, "", nil)}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestParseConfig(t *testing.T) {
+	base := func(extra string) []byte {
+		return []byte(`{"cniVersion":"1.0.0","name":"n","type":"meshcni","cni_agent_run_dir":"/run/meshcni"` + extra + `}`)
+	}
+	c, err := ParseConfig(base(`,"kubernetes":{"kubeconfig":"/etc/cni/net.d/zz","exclude_namespaces":["istio-system"],"cni_bin_dir":"/opt/cni/bin"},"exclude_namespaces":["kube-system","istio-system"],"native_nftables":true,"api_timeout":5`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Kubeconfig != "/etc/cni/net.d/zz" || c.Backend != backend.Nftables || c.APITimeout != 5*time.Second ||
+		strings.Join(c.ExcludeNamespaces, ",") != "kube-system,istio-system" {
+		t.Fatalf("%+v", c)
+	}
+	c, err = ParseConfig(base(``))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Kubeconfig != "/run/meshcni/meshcni-kubeconfig" || c.Backend != backend.Auto || c.APITimeout != DefaultAPITimeout {
+		t.Fatalf("%+v", c)
+	}
+	for _, b := range []struct{ in, want string }{{"iptables-legacy", "iptables-legacy"}, {"iptables-nft", "iptables-nft"}, {"iptables", "iptables-nft"}, {"nftables", "nftables"}, {"auto", "auto"}} {
+		c, err := ParseConfig(base(`,"backend":"` + b.in + `"`))
+		if err != nil || string(c.Backend) != b.want {
+			t.Errorf("backend %s: %v %v", b.in, c, err)
+		}
+	}
+	for _, tt := range []struct {
+		doc  []byte
+		code uint
+		want string
+	}{
+		{[]byte(`{"cniVersion":"1.0.0",`), types.ErrDecodingFailure, "malformed JSON"},
+		{base(`,"exclude_namespaces":"kube-system"`), types.ErrDecodingFailure, "exclude_namespaces"},
+		{base(`,"plugin_log_level":"loud"`), types.ErrInvalidNetworkConfig, `plugin_log_level "loud"`},
+		{base(`,"backend":"ebpf"`), types.ErrInvalidNetworkConfig, `backend "ebpf"`},
+		{base(`,"backend":"iptables-legacy","native_nftables":true`), types.ErrInvalidNetworkConfig, "native_nftables"},
+		{base(`,"api_timeout":"soon"`), types.ErrInvalidNetworkConfig, `api_timeout "soon"`},
+		{base(`,"api_timeout":-1`), types.ErrInvalidNetworkConfig, "api_timeout -1"},
+		{base(`,"exclude_namespaces":["Bad_NS"]`), types.ErrInvalidNetworkConfig, `exclude_namespaces "Bad_NS"`},
+		{base(`,"type":"istio-cni"`), types.ErrInvalidNetworkConfig, `type "istio-cni"`},
+		{base(`,"agent_pod_label":"a b"`), types.ErrInvalidNetworkConfig, "agent_pod_label"},
+		{[]byte(`{"cniVersion":"1.0.0","name":"n","type":"meshcni","cni_agent_run_dir":"run/meshcni"}`), types.ErrInvalidNetworkConfig, `cni_agent_run_dir "run/meshcni"`},
+		{[]byte(`{"cniVersion":"1.0.0","name":"n","type":"meshcni"}`), types.ErrInvalidNetworkConfig, "cni_agent_run_dir"},
+		{base(`,"prevResult":{"ips":"x"}`), types.ErrDecodingFailure, "prevResult"},
+	} {
+		_, err := ParseConfig(tt.doc)
+		if err == nil {
+			t.Errorf("%s: no error", tt.doc)
+			continue
+		}
+		e := cniErr(t, err)
+		if e.Code != tt.code || !strings.Contains(e.Msg, tt.want) {
+			t.Errorf("%s: got %d %q, want %d containing %q", tt.doc, e.Code, e.Msg, tt.code, tt.want)
+		}
+	}
+}
