@@ -1,0 +1,195 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+	corev1 "k8s.io/api/core/v1"
+	"sigs.k8s.io/yaml"
+
+	"github.com/meshcni/meshcni/pkg/plugin"
+	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/rules"
+	iptrender "github.com/meshcni/meshcni/pkg/rules/iptables"
+	"github.com/meshcni/meshcni/pkg/spec"
+)
+
+func init() { subcommands = append(subcommands, newExplainCmd) }
+
+type explainFlags struct {
+	file              string
+	kubeconfig        string
+	namespace         string
+	excludeNamespaces []string
+	agentLabel        string
+	podIPs            []string
+	timeout           time.Duration
+}
+
+func newExplainCmd() *cobra.Command {
+	f := &explainFlags{}
+	cmd := &cobra.Command{
+		Use:   "explain [POD]",
+		Short: "Say whether the CNI plugin redirects a pod, why, and with which rules",
+		Long: `explain runs the plugin's decision (podspec.Decide) and spec derivation
+(podspec.Build) on a pod, read from a file (-f, YAML or JSON, "-" for stdin) or GET
+from the API server (--kubeconfig, -n NAMESPACE POD), and prints the decision, its
+reason, the spec and the rules (iptables-restore form) the plugin would write.
+
+IP families: from --pod-ip (as the plugin takes them from the CNI prevResult), else
+the pod's status.podIPs, else IPv4 (plus IPv6 with ISTIO_DUAL_STACK on istio-proxy).`,
+		Args: cobra.MaximumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx, cancel := context.WithTimeout(cmd.Context(), f.timeout)
+			defer cancel()
+			pod, err := f.pod(ctx, args)
+			if err != nil {
+				return err
+			}
+			return explain(cmd.OutOrStdout(), pod, f)
+		},
+	}
+	fl := cmd.Flags()
+	fl.StringVarP(&f.file, "file", "f", "", "pod manifest (YAML or JSON); - for stdin")
+	fl.StringVar(&f.kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig to GET the pod with (token or client certificate)")
+	fl.StringVarP(&f.namespace, "namespace", "n", "default", "namespace of POD")
+	fl.StringSliceVar(&f.excludeNamespaces, "exclude-namespaces", nil, "the plugin's exclude_namespaces")
+	fl.StringVar(&f.agentLabel, "agent-pod-label", podspec.DefaultAgentLabel, "the plugin's agent_pod_label")
+	fl.StringSliceVar(&f.podIPs, "pod-ip", nil, "the pod's addresses (IP families of the rules)")
+	fl.DurationVar(&f.timeout, "timeout", 20*time.Second, "give up after this long")
+	return cmd
+}
+
+func (f *explainFlags) pod(ctx context.Context, args []string) (*corev1.Pod, error) {
+	switch {
+	case f.file != "" && len(args) > 0:
+		return nil, fmt.Errorf("give either -f or a pod name, not both")
+	case f.file != "":
+		var data []byte
+		var err error
+		if f.file == "-" {
+			data, err = io.ReadAll(os.Stdin)
+		} else {
+			data, err = os.ReadFile(f.file)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("read pod manifest: %w", err)
+		}
+		var pod corev1.Pod
+		if err := yaml.Unmarshal(data, &pod); err != nil {
+			return nil, fmt.Errorf("parse pod manifest %s: %w", f.file, err)
+		}
+		if pod.Kind != "" && pod.Kind != "Pod" {
+			return nil, fmt.Errorf("%s holds a %s, want a Pod", f.file, pod.Kind)
+		}
+		return &pod, nil
+	case len(args) == 1:
+		if f.kubeconfig == "" {
+			return nil, fmt.Errorf("--kubeconfig (or KUBECONFIG) is needed to GET pod %s/%s", f.namespace, args[0])
+		}
+		cfg, err := plugin.LoadKubeconfig(f.kubeconfig)
+		if err != nil {
+			return nil, err
+		}
+		return plugin.NewPodClient(cfg).GetPod(ctx, f.namespace, args[0])
+	}
+	return nil, fmt.Errorf("give a pod: -f FILE or -n NAMESPACE POD")
+}
+
+func explain(out io.Writer, pod *corev1.Pod, f *explainFlags) error {
+	label, err := podspec.ParseLabel(f.agentLabel)
+	if err != nil {
+		return fmt.Errorf("--agent-pod-label: %w", err)
+	}
+	d := podspec.Decide(pod, podspec.Config{ExcludeNamespaces: f.excludeNamespaces, AgentLabel: label})
+	fmt.Fprintf(out, "pod:      %s/%s\n", pod.Namespace, pod.Name)
+	if !d.Meshed {
+		fmt.Fprintf(out, "decision: not redirected\nreason:   %s\n", d.Reason)
+		return nil
+	}
+	fmt.Fprintf(out, "decision: redirected\nreason:   %s\n", d.Reason)
+	res, err := podspec.Build(pod)
+	if err != nil {
+		return fmt.Errorf("the plugin would fail ADD (no rule applied): %w", err)
+	}
+	for _, w := range res.Warnings {
+		fmt.Fprintf(out, "warning:  %s\n", w)
+	}
+	s := res.Spec
+	var addrs []netip.Addr
+	ips := f.podIPs
+	if len(ips) == 0 {
+		for _, ip := range pod.Status.PodIPs {
+			ips = append(ips, ip.IP)
+		}
+	}
+	for _, ip := range ips {
+		a, err := netip.ParseAddr(strings.TrimSpace(ip))
+		if err != nil {
+			return fmt.Errorf("--pod-ip %q: not an IP address", ip)
+		}
+		addrs = append(addrs, a)
+	}
+	podspec.WithFamilies(s, addrs)
+	printSpec(out, s)
+	rs := rules.Build(s)
+	if rs.Families.Has(rules.V4) {
+		fmt.Fprintln(out, "# iptables-restore --noflush input, IPv4")
+		fmt.Fprint(out, iptrender.Restore(rs, rules.V4))
+	}
+	if rs.Families.Has(rules.V6) {
+		fmt.Fprintln(out, "# ip6tables-restore --noflush input, IPv6")
+		fmt.Fprint(out, iptrender.Restore(rs, rules.V6))
+	}
+	if rs.Route != nil {
+		fmt.Fprintf(out, "# policy routing: ip rule add fwmark %d lookup %d; ip route add local default dev lo table %d\n", rs.Route.Mark, rs.Route.Table, rs.Route.Table)
+	}
+	return nil
+}
+
+func printSpec(out io.Writer, s *spec.Spec) {
+	ports := func(ps []uint16) string {
+		if len(ps) == 0 {
+			return "-"
+		}
+		var b []string
+		for _, p := range ps {
+			b = append(b, fmt.Sprint(p))
+		}
+		return strings.Join(b, ",")
+	}
+	set := func(p spec.PortSet) string {
+		if p.All {
+			return "*"
+		}
+		return ports(p.Ports)
+	}
+	prefixes := func(all bool, ps []netip.Prefix) string {
+		if all {
+			return "*"
+		}
+		if len(ps) == 0 {
+			return "-"
+		}
+		var b []string
+		for _, p := range ps {
+			b = append(b, p.String())
+		}
+		return strings.Join(b, ",")
+	}
+	fmt.Fprintf(out, "mode:     %s (outbound → %d, inbound → %d, tunnel %d)\n", s.Mode, s.ProxyPort, s.InboundCapturePort, s.InboundTunnelPort)
+	fmt.Fprintf(out, "proxy:    uid %v gid %v\n", s.ProxyUIDs, s.ProxyGIDs)
+	fmt.Fprintf(out, "inbound:  capture %s, exclude %s\n", set(s.InboundPorts), ports(s.InboundPortsExclude))
+	fmt.Fprintf(out, "outbound: capture %s, exclude %s; ports include %s, exclude %s\n",
+		prefixes(s.OutboundIPRanges.All, s.OutboundIPRanges.Prefixes), prefixes(false, s.OutboundIPRangesExclude), ports(s.OutboundPorts), ports(s.OutboundPortsExclude))
+	fmt.Fprintf(out, "families: ipv4 %v, ipv6 %v; dns capture %v (all %v); drop invalid %v\n", s.EnableIPv4, s.EnableIPv6, s.RedirectDNS, s.CaptureAllDNS, s.DropInvalid)
+	if len(s.ExcludeInterfaces)+len(s.RerouteInterfaces) > 0 {
+		fmt.Fprintf(out, "ifaces:   exclude %v, reroute %v\n", s.ExcludeInterfaces, s.RerouteInterfaces)
+	}
+}
