@@ -1,0 +1,14 @@
+// Command meshcni-agent is meshcni's node agent (a DaemonSet): it installs the meshcni
+// CNI plugin on its node, guards it, and serves health, metrics and the plugin socket.
+// See docs/agent.md.
+package main
+
+import (
+	"os"
+
+	"github.com/meshcni/meshcni/pkg/agent"
+)
+
+func main() {
+	os.Exit(agent.Main(os.Args[1:], os.Getenv, os.Stderr))
+}

@@ -1,0 +1,129 @@
+// Package agent is meshcni's node agent: it installs the CNI plugin (binary, kubeconfig,
+// configuration entry), guards it against other writers, serves health and metrics,
+// and receives the plugin's logs and command results on a unix socket.
+//
+// The agent is a set of Runnables run together: the guard, the health server and the
+// socket server. Later parts (a repair controller, an informer of the node's pods) are
+// more Runnables added with Add.
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+
+	"github.com/meshcni/meshcni/pkg/agentsock"
+	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
+	"github.com/meshcni/meshcni/pkg/install"
+)
+
+// Runnable is one long-running part of the agent. Run blocks until ctx ends (nil) or
+// the part fails (an error, which stops the agent).
+type Runnable interface {
+	Name() string
+	Run(ctx context.Context) error
+}
+
+// Agent runs the node agent's parts.
+type Agent struct {
+	Config  *Config
+	Log     *slog.Logger
+	Metrics *Metrics
+	Guard   *Guard
+	Health  *HealthServer
+	Socket  *SocketServer
+
+	runnables []Runnable
+}
+
+// Options are the agent's injectable collaborators.
+type Options struct {
+	// Recorder reports conflicts as Kubernetes Events; nil reports to the log only.
+	Recorder Recorder
+	// Getenv reads the environment (default os.Getenv): the in-cluster API address.
+	Getenv func(string) string
+}
+
+// New builds the agent from a validated configuration.
+func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
+	if opts.Getenv == nil {
+		opts.Getenv = os.Getenv
+	}
+	var src install.KubeconfigSource
+	if cfg.KubeconfigSource != "" {
+		src = &install.FromFile{Path: cfg.KubeconfigSource}
+	} else {
+		ic, err := install.InClusterFromEnv(opts.Getenv, cfg.TokenFile, cfg.CAFile)
+		if err != nil {
+			return nil, err
+		}
+		src = ic
+	}
+	m := NewMetrics()
+	a := &Agent{Config: cfg, Log: log, Metrics: m}
+	a.Guard = &Guard{
+		Conf: confdir.Options{
+			Dir:            cfg.CNIConfDir,
+			FileName:       cfg.CNIConfFileName,
+			Chained:        cfg.Chained,
+			StandaloneFile: cfg.StandaloneFileName,
+			Entry:          cfg.Entry(),
+		},
+		Binary:            &install.Binary{Src: cfg.PluginBinary, Dst: cfg.PluginPath()},
+		Kubeconfig:        &install.Kubeconfig{Source: src, Path: cfg.KubeconfigPath()},
+		Debounce:          cfg.Debounce,
+		Resync:            cfg.Resync,
+		ConflictThreshold: cfg.ConflictThreshold,
+		ConflictWindow:    cfg.ConflictWindow,
+		BackoffMax:        cfg.BackoffMax,
+		Log:               log.With("component", "guard"),
+		Metrics:           m,
+		Recorder:          opts.Recorder,
+	}
+	a.Health = &HealthServer{Addr: cfg.HealthAddr, Ready: a.Guard.Ready, Metrics: m, Log: log}
+	a.Socket = &SocketServer{Path: agentsock.Path(cfg.RunDir), Log: log, Metrics: m}
+	a.runnables = []Runnable{a.Socket, a.Health, a.Guard}
+	return a, nil
+}
+
+// Add adds a part to run with the others; call it before Run.
+func (a *Agent) Add(r Runnable) { a.runnables = append(a.runnables, r) }
+
+// Run runs every part until ctx ends or one fails, then uninstalls unless
+// KeepOnExit.
+func (a *Agent) Run(ctx context.Context) error {
+	if err := os.MkdirAll(a.Config.RunDir, 0o755); err != nil {
+		return fmt.Errorf("run directory: %w", err)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make([]error, len(a.runnables))
+	for i, r := range a.runnables {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := r.Run(ctx); err != nil {
+				errs[i] = fmt.Errorf("%s: %w", r.Name(), err)
+				a.Log.Error("agent part failed, stopping", "part", r.Name(), "err", err)
+				cancel()
+			}
+		}()
+	}
+	wg.Wait()
+	err := errors.Join(errs...)
+	if a.Config.KeepOnExit {
+		a.Log.Info("keeping the plugin installed on exit (--keep-on-exit)")
+		return err
+	}
+	if uerr := a.Guard.Uninstall(); uerr != nil {
+		a.Log.Error("uninstall", "err", uerr)
+		err = errors.Join(err, fmt.Errorf("uninstall: %w", uerr))
+	} else {
+		a.Log.Info("uninstalled the plugin")
+	}
+	return err
+}

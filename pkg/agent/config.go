@@ -1,0 +1,199 @@
+package agent
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/meshcni/meshcni/pkg/cniconf"
+	"github.com/meshcni/meshcni/pkg/install"
+)
+
+// KubeconfigName is the plugin kubeconfig's file name in the run directory.
+const KubeconfigName = "meshcni-kubeconfig"
+
+// Config is the agent's validated configuration.
+type Config struct {
+	CNIBinDir          string
+	CNIConfDir         string
+	CNIConfFileName    string
+	Chained            bool
+	StandaloneFileName string
+	PluginBinary       string
+	RunDir             string
+	KubeconfigSource   string // empty: in-cluster service account
+	TokenFile, CAFile  string
+	ExcludeNamespaces  []string
+	LogLevel           slog.Level
+	PluginLogLevel     string
+	Backend            string
+	HealthAddr         string
+	KeepOnExit         bool
+	Debounce           time.Duration
+	Resync             time.Duration
+	ConflictThreshold  int
+	ConflictWindow     time.Duration
+	BackoffMax         time.Duration
+	PodName            string
+	PodNamespace       string
+	NodeName           string
+}
+
+// KubeconfigPath is where the plugin's kubeconfig goes.
+func (c *Config) KubeconfigPath() string { return filepath.Join(c.RunDir, KubeconfigName) }
+
+// PluginPath is the installed plugin binary.
+func (c *Config) PluginPath() string { return filepath.Join(c.CNIBinDir, cniconf.PluginType) }
+
+// Entry is the plugin entry the agent writes.
+func (c *Config) Entry() cniconf.PluginEntry {
+	return cniconf.PluginEntry{
+		Type:              cniconf.PluginType,
+		PluginLogLevel:    c.PluginLogLevel,
+		CNIAgentRunDir:    c.RunDir,
+		ExcludeNamespaces: c.ExcludeNamespaces,
+		Backend:           c.Backend,
+		Kubernetes:        cniconf.Kubernetes{Kubeconfig: c.KubeconfigPath(), CNIBinDir: c.CNIBinDir},
+	}
+}
+
+// EnvPrefix prefixes the environment variable of every flag: --cni-bin-dir is
+// MESHCNI_CNI_BIN_DIR.
+const EnvPrefix = "MESHCNI_"
+
+// EnvName returns the environment variable of a flag.
+func EnvName(flagName string) string {
+	return EnvPrefix + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
+}
+
+// ParseFlags reads the configuration from args and the environment (getenv): a flag
+// beats its variable, which beats the default. Every value is parsed and checked.
+func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Config, error) {
+	c := &Config{}
+	fs := flag.NewFlagSet("meshcni-agent", flag.ContinueOnError)
+	fs.SetOutput(usage)
+	var excl, logLevel string
+	fs.StringVar(&c.CNIBinDir, "cni-bin-dir", "/opt/cni/bin", "CNI plugin directory of the node (GKE: /home/kubernetes/bin, k3s: /var/lib/rancher/k3s/data/current/bin)")
+	fs.StringVar(&c.CNIConfDir, "cni-conf-dir", "/etc/cni/net.d", "CNI configuration directory of the node (k3s: /var/lib/rancher/k3s/agent/etc/cni/net.d)")
+	fs.StringVar(&c.CNIConfFileName, "cni-conf-file-name", "", "primary CNI configuration file to chain into (default: the lexically first valid one, as kubelet picks)")
+	fs.BoolVar(&c.Chained, "chained", true, "inject into the primary CNI configuration; false writes a standalone list (Multus, OpenShift)")
+	fs.StringVar(&c.StandaloneFileName, "standalone-file-name", "meshcni.conflist", "file name of the standalone list in --cni-conf-dir")
+	fs.StringVar(&c.PluginBinary, "plugin-binary", "/opt/meshcni/bin/meshcni", "meshcni plugin binary to install")
+	fs.StringVar(&c.RunDir, "run-dir", "/var/run/meshcni", "run directory shared with the plugin: kubeconfig and agent socket")
+	fs.StringVar(&c.KubeconfigSource, "kubeconfig-source", "", "kubeconfig to give the plugin (outside a pod); default: build one from the pod's service account")
+	fs.StringVar(&c.TokenFile, "token-file", install.DefaultTokenFile, "service-account token file (in a pod)")
+	fs.StringVar(&c.CAFile, "ca-file", install.DefaultCAFile, "service-account CA file (in a pod)")
+	fs.StringVar(&excl, "exclude-namespaces", "kube-system", "comma-separated namespaces whose pods the plugin leaves alone")
+	fs.StringVar(&logLevel, "log-level", "info", "agent log level: debug, info, warn, error")
+	fs.StringVar(&c.PluginLogLevel, "plugin-log-level", "info", "plugin log level: debug, info, warn, error")
+	fs.StringVar(&c.Backend, "backend", "auto", "plugin redirect backend: auto, iptables, nftables")
+	fs.StringVar(&c.HealthAddr, "health-addr", ":9807", "listen address of /healthz, /readyz and /metrics")
+	fs.BoolVar(&c.KeepOnExit, "keep-on-exit", false, "leave binary, kubeconfig and configuration in place on exit (rolling upgrade)")
+	fs.DurationVar(&c.Debounce, "debounce", 10*time.Millisecond, "wait after a file event before reconciling, to merge bursts")
+	fs.DurationVar(&c.Resync, "resync", 30*time.Second, "periodic full reconcile, in case an event was missed")
+	fs.IntVar(&c.ConflictThreshold, "conflict-threshold", 5, "re-injections within --conflict-window that mean another writer fights (0: never back off)")
+	fs.DurationVar(&c.ConflictWindow, "conflict-window", 10*time.Second, "window of --conflict-threshold")
+	fs.DurationVar(&c.BackoffMax, "backoff-max", 30*time.Second, "longest wait between re-injections while fighting")
+	fs.StringVar(&c.PodName, "pod-name", "", "the agent's pod (downward API), for Kubernetes Events")
+	fs.StringVar(&c.PodNamespace, "pod-namespace", "", "the agent's pod namespace (downward API)")
+	fs.StringVar(&c.NodeName, "node-name", "", "the node's name (downward API)")
+
+	var errs []error
+	fs.VisitAll(func(f *flag.Flag) {
+		f.Usage += " [$" + EnvName(f.Name) + "]"
+		if v := getenv(EnvName(f.Name)); v != "" {
+			if err := fs.Set(f.Name, v); err != nil {
+				errs = append(errs, fmt.Errorf("%s=%q: %w", EnvName(f.Name), v, err))
+			}
+		}
+	})
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	if err := c.LogLevel.UnmarshalText([]byte(logLevel)); err != nil {
+		return nil, fmt.Errorf("--log-level %q: want debug, info, warn or error", logLevel)
+	}
+	c.ExcludeNamespaces = []string{}
+	for _, ns := range strings.Split(excl, ",") {
+		if ns = strings.TrimSpace(ns); ns != "" {
+			c.ExcludeNamespaces = append(c.ExcludeNamespaces, ns)
+		}
+	}
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+func (c *Config) validate() error {
+	for _, p := range []struct {
+		flag, v string
+		may    bool // may be empty
+	}{
+		{"cni-bin-dir", c.CNIBinDir, false},
+		{"cni-conf-dir", c.CNIConfDir, false},
+		{"plugin-binary", c.PluginBinary, false},
+		{"run-dir", c.RunDir, false},
+		{"kubeconfig-source", c.KubeconfigSource, true},
+		{"token-file", c.TokenFile, false},
+		{"ca-file", c.CAFile, false},
+	} {
+		if p.v == "" && p.may {
+			continue
+		}
+		if !filepath.IsAbs(p.v) {
+			return fmt.Errorf("--%s %q: want an absolute path", p.flag, p.v)
+		}
+	}
+	for _, p := range []*string{&c.CNIBinDir, &c.CNIConfDir, &c.PluginBinary, &c.RunDir, &c.TokenFile, &c.CAFile} {
+		*p = filepath.Clean(*p)
+	}
+	for _, n := range []struct{ flag, v string }{{"cni-conf-file-name", c.CNIConfFileName}, {"standalone-file-name", c.StandaloneFileName}} {
+		if n.v == "" && n.flag == "cni-conf-file-name" {
+			continue
+		}
+		if n.v != filepath.Base(n.v) || strings.HasPrefix(n.v, ".") {
+			return fmt.Errorf("--%s %q: want a plain file name", n.flag, n.v)
+		}
+		ext := filepath.Ext(n.v)
+		if ext != ".conf" && ext != ".conflist" && ext != ".json" {
+			return fmt.Errorf("--%s %q: want a .conf, .conflist or .json file", n.flag, n.v)
+		}
+	}
+	if !c.Chained && filepath.Ext(c.StandaloneFileName) != ".conflist" {
+		return fmt.Errorf("--standalone-file-name %q: want a .conflist file", c.StandaloneFileName)
+	}
+	if _, port, err := net.SplitHostPort(c.HealthAddr); err != nil {
+		return fmt.Errorf("--health-addr %q: %w", c.HealthAddr, err)
+	} else if n, err := strconv.ParseUint(port, 10, 16); err != nil || (n == 0 && port != "0") {
+		return fmt.Errorf("--health-addr %q: bad port", c.HealthAddr)
+	}
+	for _, d := range []struct {
+		flag string
+		v    time.Duration
+	}{{"debounce", c.Debounce}, {"resync", c.Resync}, {"conflict-window", c.ConflictWindow}, {"backoff-max", c.BackoffMax}} {
+		if d.v <= 0 && d.flag != "debounce" || d.v < 0 {
+			return fmt.Errorf("--%s %v: want a positive duration", d.flag, d.v)
+		}
+	}
+	if c.ConflictThreshold < 0 {
+		return fmt.Errorf("--conflict-threshold %d: want 0 or more", c.ConflictThreshold)
+	}
+	if err := c.Entry().Validate(); err != nil {
+		return fmt.Errorf("plugin settings: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,416 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+
+	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
+	"github.com/meshcni/meshcni/pkg/install"
+)
+
+// Guard installs the plugin's binary, kubeconfig and configuration, and keeps them in
+// place: it watches the CNI configuration directory, the binary's directory and the
+// kubeconfig's sources, and reconciles on changes (debounced), with a periodic resync.
+// When another writer keeps removing meshcni's entry it backs off exponentially and
+// reports the conflict instead of looping.
+type Guard struct {
+	Conf       confdir.Options
+	Binary     *install.Binary
+	Kubeconfig *install.Kubeconfig
+
+	Debounce          time.Duration
+	Resync            time.Duration
+	ConflictThreshold int // 0: never back off
+	ConflictWindow    time.Duration
+	BackoffMax        time.Duration
+
+	Log      *slog.Logger
+	Metrics  *Metrics
+	Recorder Recorder
+
+	mu          sync.Mutex
+	lastErr     map[part]string // last error logged per part, to log changes only
+	installed   bool            // the entry was in place once
+	reinjected  []time.Time     // recent re-injections
+	backoff     time.Duration
+	notBefore   time.Time
+	inConflict  bool
+	lastPrimary string
+}
+
+type part int
+
+const (
+	partBinary part = 1 << iota
+	partKubeconfig
+	partConf
+	partAll = partBinary | partKubeconfig | partConf
+)
+
+func (p part) String() string {
+	var s []string
+	for _, x := range []struct {
+		p part
+		n string
+	}{{partBinary, "binary"}, {partKubeconfig, "kubeconfig"}, {partConf, "config"}} {
+		if p&x.p != 0 {
+			s = append(s, x.n)
+		}
+	}
+	return strings.Join(s, "+")
+}
+
+// Name implements Runnable.
+func (g *Guard) Name() string { return "guard" }
+
+// Ready checks, live, that the binary, kubeconfig and configuration entry are in place
+// and valid. It updates the ready gauge.
+func (g *Guard) Ready() error {
+	var errs []error
+	if err := g.Binary.Check(); err != nil {
+		errs = append(errs, fmt.Errorf("binary: %w", err))
+	}
+	if err := g.Kubeconfig.Check(); err != nil {
+		errs = append(errs, fmt.Errorf("kubeconfig: %w", err))
+	}
+	if _, err := confdir.Check(g.Conf); err != nil {
+		errs = append(errs, fmt.Errorf("config: %w", err))
+	}
+	err := errors.Join(errs...)
+	if g.Metrics != nil {
+		if err == nil {
+			g.Metrics.Ready.Set(1)
+		} else {
+			g.Metrics.Ready.Set(0)
+		}
+	}
+	return err
+}
+
+// watchSet maps the watched directories to what their events concern.
+type watchSet struct {
+	w       *fsnotify.Watcher
+	dirs    map[string]bool // watched (true) or still missing (false)
+	binDst  string
+	kubeDst string
+	confDir string
+	kubeSrc map[string]bool
+}
+
+func (ws *watchSet) addMissing(log *slog.Logger) {
+	for d, ok := range ws.dirs {
+		if ok {
+			continue
+		}
+		if err := ws.w.Add(d); err == nil {
+			ws.dirs[d] = true
+			log.Debug("watching", "dir", d)
+		}
+	}
+}
+
+func (ws *watchSet) missing() bool {
+	for _, ok := range ws.dirs {
+		if !ok {
+			return true
+		}
+	}
+	return false
+}
+
+// classify says which parts an event may concern.
+func (ws *watchSet) classify(ev fsnotify.Event) part {
+	var p part
+	dir := filepath.Dir(ev.Name)
+	base := filepath.Base(ev.Name)
+	if dir == ws.confDir {
+		if ext := filepath.Ext(base); (ext == ".conf" || ext == ".conflist" || ext == ".json") && !strings.HasPrefix(base, ".") {
+			p |= partConf
+		}
+	}
+	if ev.Name == ws.binDst {
+		p |= partBinary
+	}
+	if ev.Name == ws.kubeDst || ws.kubeSrc[dir] {
+		p |= partKubeconfig
+	}
+	// A watched directory itself removed or renamed: re-add it later, reconcile all.
+	if _, ok := ws.dirs[ev.Name]; ok && ev.Has(fsnotify.Remove|fsnotify.Rename) {
+		ws.dirs[ev.Name] = false
+		p |= partAll
+	}
+	return p
+}
+
+// Run installs everything, then guards it until ctx ends.
+func (g *Guard) Run(ctx context.Context) error {
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		return fmt.Errorf("file watcher: %w", err)
+	}
+	defer w.Close()
+	ws := &watchSet{
+		w:       w,
+		dirs:    map[string]bool{},
+		binDst:  g.Binary.Dst,
+		kubeDst: g.Kubeconfig.Path,
+		confDir: filepath.Clean(g.Conf.Dir),
+		kubeSrc: map[string]bool{},
+	}
+	for _, d := range append([]string{ws.confDir, filepath.Dir(ws.binDst), filepath.Dir(ws.kubeDst)}, g.Kubeconfig.Source.WatchDirs()...) {
+		ws.dirs[filepath.Clean(d)] = false
+	}
+	for _, d := range g.Kubeconfig.Source.WatchDirs() {
+		ws.kubeSrc[filepath.Clean(d)] = true
+	}
+	ws.addMissing(g.Log)
+
+	g.reconcile(partAll)
+
+	debounce := time.NewTimer(time.Hour)
+	debounce.Stop()
+	armed := false
+	var dirty part
+	resync := time.NewTicker(g.Resync)
+	defer resync.Stop()
+	poll := time.NewTicker(time.Second) // re-adds missing directories
+	defer poll.Stop()
+
+	arm := func() {
+		d := g.Debounce
+		g.mu.Lock()
+		if wait := time.Until(g.notBefore); dirty&partConf != 0 && wait > d {
+			d = wait
+		}
+		g.mu.Unlock()
+		if !armed {
+			debounce.Reset(d)
+			armed = true
+		}
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case ev, ok := <-w.Events:
+			if !ok {
+				return errors.New("file watcher closed")
+			}
+			if p := ws.classify(ev); p != 0 {
+				g.Log.Debug("file event", "path", ev.Name, "op", ev.Op.String(), "parts", p.String())
+				dirty |= p
+				arm()
+			}
+		case err, ok := <-w.Errors:
+			if !ok {
+				return errors.New("file watcher closed")
+			}
+			// An overflow loses events: reconcile everything.
+			g.Log.Warn("file watcher", "err", err)
+			dirty |= partAll
+			arm()
+		case <-debounce.C:
+			armed = false
+			p := dirty
+			dirty = 0
+			if d := g.reconcile(p); d > 0 {
+				dirty |= partConf // backed off: try again later
+				arm()
+			}
+		case <-resync.C:
+			dirty |= partAll
+			arm()
+		case <-poll.C:
+			if ws.missing() {
+				ws.addMissing(g.Log)
+				dirty |= partAll
+				arm()
+			}
+		}
+	}
+}
+
+// reconcile repairs the given parts. It returns a wait > 0 when the configuration part
+// was postponed by the conflict backoff.
+func (g *Guard) reconcile(p part) time.Duration {
+	var wait time.Duration
+	if p&partConf != 0 {
+		g.mu.Lock()
+		wait = time.Until(g.notBefore)
+		g.mu.Unlock()
+		if wait > 0 {
+			p &^= partConf
+		}
+	}
+	g.reconcileParts(p)
+	g.Ready()
+	return max(wait, 0)
+}
+
+func (g *Guard) reconcileParts(p part) {
+	if p&partBinary != 0 {
+		changed, err := g.Binary.Install()
+		g.outcome(partBinary, changed, err, "plugin binary installed", "path", g.Binary.Dst)
+	}
+	if p&partKubeconfig != 0 {
+		changed, err := g.Kubeconfig.Install()
+		g.outcome(partKubeconfig, changed, err, "plugin kubeconfig written", "path", g.Kubeconfig.Path)
+	}
+	if p&partConf != 0 {
+		g.reconcileConf()
+	}
+}
+
+func (g *Guard) outcome(p part, changed bool, err error, msg string, args ...any) {
+	g.mu.Lock()
+	if g.lastErr == nil {
+		g.lastErr = map[part]string{}
+	}
+	prev := g.lastErr[p]
+	if err != nil {
+		g.lastErr[p] = err.Error()
+	} else {
+		delete(g.lastErr, p)
+	}
+	g.mu.Unlock()
+	switch {
+	case err != nil:
+		g.Metrics.Installs.WithLabelValues("error").Inc()
+		if err.Error() != prev { // log each new problem once, not every resync
+			g.Log.Error("install "+p.String(), "err", err)
+		}
+	case changed:
+		g.Metrics.Installs.WithLabelValues("success").Inc()
+		g.Log.Info(msg, args...)
+	case prev != "":
+		g.Log.Info(p.String()+" in place again", args...)
+	}
+}
+
+func (g *Guard) reconcileConf() {
+	res, err := confdir.Install(g.Conf)
+	for _, s := range res.Skipped {
+		g.Log.Debug("skipped invalid CNI configuration, as kubelet does", "path", s.Path, "err", s.Err)
+	}
+	if errors.Is(err, confdir.ErrNoPrimary) {
+		g.outcome(partConf, false, err, "")
+		return
+	}
+	if err != nil {
+		g.outcome(partConf, false, err, "")
+		return
+	}
+	args := []any{"path", res.Path}
+	if res.Converted != "" {
+		args = append(args, "converted_from", res.Converted)
+	}
+	if len(res.Cleaned) > 0 {
+		args = append(args, "cleaned", res.Cleaned)
+	}
+	msg := "meshcni entry installed"
+	g.mu.Lock()
+	reinjection := g.installed && res.Changed && res.Missing
+	g.installed = true
+	g.lastPrimary = res.Path
+	g.mu.Unlock()
+	if reinjection {
+		msg = "meshcni entry put back"
+		g.Metrics.Reinjections.Inc()
+		g.noteReinjection(res.Path)
+	} else if res.Changed && !res.Missing {
+		msg = "meshcni entry updated"
+	}
+	g.outcome(partConf, res.Changed, nil, msg, args...)
+}
+
+// noteReinjection counts re-injections in the window; past the threshold another
+// writer is fighting us: back off exponentially and report it.
+func (g *Guard) noteReinjection(file string) {
+	if g.ConflictThreshold <= 0 {
+		return
+	}
+	now := time.Now()
+	g.mu.Lock()
+	recent := g.reinjected[:0]
+	for _, t := range g.reinjected {
+		if now.Sub(t) < g.ConflictWindow {
+			recent = append(recent, t)
+		}
+	}
+	recent = append(recent, now)
+	g.reinjected = recent
+	n := len(recent)
+	if n < g.ConflictThreshold {
+		if n == 1 {
+			g.backoff, g.inConflict = 0, false
+		}
+		g.mu.Unlock()
+		return
+	}
+	if g.backoff == 0 {
+		g.backoff = 100 * time.Millisecond
+	} else {
+		g.backoff = min(2*g.backoff, g.BackoffMax)
+	}
+	g.notBefore = now.Add(g.backoff)
+	backoff := g.backoff
+	first := !g.inConflict
+	g.inConflict = true
+	g.mu.Unlock()
+
+	others := otherFiles(filepath.Dir(file), file)
+	g.Metrics.Conflicts.WithLabelValues(filepath.Base(file)).Inc()
+	g.Log.Warn("another writer keeps removing meshcni's entry; backing off",
+		"file", file, "other_files", others, "removals", n, "window", g.ConflictWindow, "backoff", backoff)
+	if first && g.Recorder != nil {
+		g.Recorder.Warning("ConfigConflict", fmt.Sprintf(
+			"meshcni's CNI entry was removed from %s %d times in %v by another writer (other CNI configs: %s); backing off up to %v",
+			file, n, g.ConflictWindow, strings.Join(others, ", "), g.BackoffMax))
+	}
+}
+
+func otherFiles(dir, except string) []string {
+	files, err := confdir.ListFiles(dir)
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, f := range files {
+		if f != except {
+			out = append(out, filepath.Base(f))
+		}
+	}
+	return out
+}
+
+// Uninstall removes the configuration entry (or standalone list), the kubeconfig and
+// the binary.
+func (g *Guard) Uninstall() error {
+	var errs []error
+	changed, err := confdir.Uninstall(g.Conf)
+	if err != nil {
+		errs = append(errs, err)
+	}
+	for _, f := range changed {
+		g.Log.Info("removed meshcni's configuration", "path", f)
+	}
+	if err := g.Kubeconfig.Remove(); err != nil {
+		errs = append(errs, err)
+	}
+	if err := g.Binary.Remove(); err != nil {
+		errs = append(errs, err)
+	}
+	if g.Metrics != nil {
+		g.Metrics.Ready.Set(0)
+	}
+	return errors.Join(errs...)
+}
+

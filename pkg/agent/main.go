@@ -1,0 +1,45 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os/signal"
+	"syscall"
+)
+
+// Main is meshcni-agent's main: it parses args and the environment, runs the agent
+// until SIGTERM or SIGINT, and returns the exit code (2: bad settings, 1: failure).
+func Main(args []string, getenv func(string) string, stderr io.Writer) int {
+	cfg, err := ParseFlags(args, getenv, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "meshcni-agent: %v\n", err)
+		return 2
+	}
+	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: cfg.LogLevel}))
+	opts := Options{Getenv: getenv}
+	if rec, stop, err := NewPodRecorder(cfg, log); err == nil {
+		defer stop()
+		opts.Recorder = rec
+	} else {
+		log.Info("Kubernetes Events disabled", "reason", err.Error())
+	}
+	a, err := New(cfg, log, opts)
+	if err != nil {
+		log.Error("cannot start", "err", err)
+		return 2
+	}
+	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer cancel()
+	if err := a.Run(ctx); err != nil {
+		log.Error("agent stopped", "err", err)
+		return 1
+	}
+	return 0
+}
