@@ -141,7 +141,7 @@ func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Co
 func (c *Config) validate() error {
 	for _, p := range []struct {
 		flag, v string
-		may    bool // may be empty
+		may     bool // may be empty
 	}{
 		{"cni-bin-dir", c.CNIBinDir, false},
 		{"cni-conf-dir", c.CNIConfDir, false},

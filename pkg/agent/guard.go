@@ -413,4 +413,3 @@ func (g *Guard) Uninstall() error {
 	}
 	return errors.Join(errs...)
 }
-
