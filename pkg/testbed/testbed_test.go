@@ -292,3 +292,40 @@ func TestConflist(t *testing.T) {
 		}
 	}
 }
+
+// TestShared: Shared starts one full test bed and returns it again; without
+// RunMain it stops when the test that started it ends.
+func TestShared(t *testing.T) {
+	requireOwnTestbed(t)
+	var first *Testbed
+	t.Run("start", func(t *testing.T) {
+		first = Shared(t)
+		if first.Mode != ModeFull || !first.Owned() {
+			t.Fatalf("mode %s owned %v", first.Mode, first.Owned())
+		}
+	})
+	if first == nil || t.Failed() {
+		return
+	}
+	// The subtest's cleanup stopped it: Shared starts a fresh one for this test.
+	if Leftovers() != nil {
+		t.Fatalf("shared test bed not stopped after its test: %v", Leftovers())
+	}
+	tb := Shared(t)
+	if tb2 := Shared(t); tb2 != tb {
+		t.Fatal("Shared returned a different test bed")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := tb.CreateNamespace(ctx, "shared-test"); err != nil {
+		t.Fatal(err)
+	}
+	p := EchoPod("echo", 0)
+	p.Namespace = "shared-test"
+	if _, err := tb.CreatePod(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tb.WaitPodReady(ctx, "shared-test", "echo"); err != nil {
+		t.Fatal(err)
+	}
+}
