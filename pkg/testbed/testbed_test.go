@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"strconv"
 	"strings"
 	"testing"
@@ -328,4 +329,73 @@ func TestShared(t *testing.T) {
 	if _, err := tb.WaitPodReady(ctx, "shared-test", "echo"); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestDownAfterCrash: the owner of a full test bed with a running pod is killed
+// (SIGKILL, no Stop); Down then removes every trace and a new Start works.
+func TestDownAfterCrash(t *testing.T) {
+	if os.Getenv("MESHCNI_TESTBED_CRASH_CHILD") == "1" {
+		crashChild(t)
+		return
+	}
+	requireOwnTestbed(t)
+	startReaper() // the orphans are re-parented to this process and reaped
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(self, "-test.run=^TestDownAfterCrash$", "-test.v")
+	cmd.Env = append(os.Environ(), "MESHCNI_TESTBED_CRASH_CHILD=1")
+	var out strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	}()
+	deadline := time.Now().Add(3 * time.Minute)
+	for {
+		if b, err := os.ReadFile(RunDir + "/crash-child-ready"); err == nil && string(b) == strconv.Itoa(cmd.Process.Pid) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("child never got ready:\n%s", out.String())
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if err := cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Wait()
+	if len(ourProcesses()) == 0 {
+		t.Fatal("expected orphaned test bed processes after the crash")
+	}
+	if err := Down(context.Background(), nil, false); err != nil {
+		t.Fatalf("down after crash: %v", err)
+	}
+	if left := Leftovers(); len(left) > 0 {
+		t.Fatalf("down after crash left: %v", left)
+	}
+	tb := start(t, Options{APIOnly: true})
+	stopClean(t, tb)
+}
+
+func crashChild(t *testing.T) {
+	ctx := context.Background()
+	tb, err := Start(ctx, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tb.CreatePod(ctx, EchoPod("crash", 18081)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tb.WaitPodReady(ctx, "default", "crash"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(RunDir+"/crash-child-ready", []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(10 * time.Minute) // killed by the parent
 }
