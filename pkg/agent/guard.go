@@ -301,7 +301,16 @@ func (g *Guard) reconcileConf() {
 		g.Log.Debug("skipped invalid CNI configuration, as kubelet does", "path", s.Path, "err", s.Err)
 	}
 	if errors.Is(err, confdir.ErrNoPrimary) {
-		g.outcome(partConf, false, err, "")
+		g.mu.Lock()
+		if g.lastErr == nil {
+			g.lastErr = map[part]string{}
+		}
+		first := g.lastErr[partConf] != err.Error()
+		g.lastErr[partConf] = err.Error()
+		g.mu.Unlock()
+		if first {
+			g.Log.Info("waiting for the primary CNI configuration", "dir", g.Conf.Dir, "file", g.Conf.FileName)
+		}
 		return
 	}
 	if err != nil {
