@@ -90,7 +90,9 @@ func generatePKI() (*pki, error) {
 		{file: "admin", cn: "meshcni-testbed-admin", orgs: []string{"system:masters"}, client: true},
 		{file: "kubelet", cn: "system:node:" + NodeName, orgs: []string{"system:nodes"}, client: true},
 		{file: "kubelet-serving", cn: NodeName, server: true, ips: []string{NodeIP, "127.0.0.1"}, dns: []string{NodeName, "localhost"}},
-		{file: "controller-manager", cn: "system:kube-controller-manager", client: true},
+		// system:masters + no per-controller ServiceAccount credentials: minting a
+		// token per controller costs ~4 s of start-up.
+		{file: "controller-manager", cn: "system:kube-controller-manager", orgs: []string{"system:masters"}, client: true},
 		{file: "scheduler", cn: "system:kube-scheduler", client: true},
 	}
 	for _, s := range specs {

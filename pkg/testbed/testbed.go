@@ -382,7 +382,7 @@ func (tb *Testbed) start(ctx context.Context, opts Options) error {
 			"--authorization-kubeconfig="+filepath.Join(BaseDir, "controller-manager.kubeconfig"),
 			"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ControllerManagerPort),
 			"--cert-dir="+filepath.Join(BaseDir, "controller-manager"),
-			"--leader-elect=false", "--use-service-account-credentials=true",
+			"--leader-elect=false", "--use-service-account-credentials=false",
 			"--service-account-private-key-file="+pkiPath("sa.key"),
 			"--root-ca-file="+pkiPath("ca.crt"),
 			"--cluster-signing-cert-file="+pkiPath("ca.crt"), "--cluster-signing-key-file="+pkiPath("ca.key"),
