@@ -2,10 +2,12 @@ package ociimage
 
 import (
 	"archive/tar"
+	"debug/elf"
 	"context"
 	"encoding/json"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 
@@ -155,4 +157,28 @@ func keys(m map[string]*tar.Header) []string {
 		out = append(out, k)
 	}
 	return out
+}
+
+func TestGoBinaryIsStatic(t *testing.T) {
+	if _, err := exec.LookPath("go"); err != nil {
+		t.Skip("no go command")
+	}
+	out := filepath.Join(t.TempDir(), "hello")
+	if err := GoBinary(context.Background(), ".", "./testdata/hello", out); err != nil {
+		t.Fatal(err)
+	}
+	f, err := elf.Open(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	for _, p := range f.Progs {
+		if p.Type == elf.PT_INTERP {
+			t.Fatal("binary is dynamically linked")
+		}
+	}
+	got, err := exec.Command(out).Output()
+	if err != nil || string(got) != "hello\n" {
+		t.Fatalf("run: %q, %v", got, err)
+	}
 }

@@ -258,6 +258,9 @@ func publish(dir string, fill func(tmp string) error) error {
 	if err := fill(tmp); err != nil {
 		return err
 	}
+	if _, err := os.Stat(filepath.Join(dir, completeMarker)); err == nil {
+		return nil // a concurrent build published it first
+	}
 	if err := os.WriteFile(filepath.Join(tmp, completeMarker), []byte(time.Now().UTC().Format(time.RFC3339)+"\n"), 0o644); err != nil {
 		return err
 	}
