@@ -2,8 +2,8 @@ package ociimage
 
 import (
 	"archive/tar"
-	"debug/elf"
 	"context"
+	"debug/elf"
 	"encoding/json"
 	"io"
 	"os"
