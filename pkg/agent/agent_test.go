@@ -82,6 +82,13 @@ func newEnv(t testing.TB) *env {
 		pluginSrc: filepath.Join(root, "image/meshcni"),
 		saDir:     filepath.Join(root, "sa"),
 	}
+	// A unix socket path has at most 107 bytes: the run dir gets a short name.
+	short, err := os.MkdirTemp("", "mcni")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(short) })
+	e.runDir = filepath.Join(short, "run")
 	for _, d := range []string{e.binDir, e.confDir, filepath.Dir(e.pluginSrc), e.saDir} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			t.Fatal(err)
