@@ -74,6 +74,9 @@ type Testbed struct {
 	// RESTConfig and Client are admin credentials (system:masters).
 	RESTConfig *rest.Config
 	Client     kubernetes.Interface
+	// StartupTime is how long Start took once it held LockFile (waiting for
+	// other users of the test bed excluded).
+	StartupTime time.Duration
 
 	log      *slog.Logger
 	owned    bool
@@ -204,7 +207,8 @@ func Start(ctx context.Context, opts Options) (tb *Testbed, err error) {
 	if err := tb.writeState(true); err != nil {
 		return tb, err
 	}
-	log.Info("test bed ready", "mode", mode, "took", time.Since(began).Round(time.Millisecond), "kubeconfig", adminKubeconfig)
+	tb.StartupTime = time.Since(began)
+	log.Info("test bed ready", "mode", mode, "took", tb.StartupTime.Round(time.Millisecond), "kubeconfig", adminKubeconfig)
 	return tb, nil
 }
 

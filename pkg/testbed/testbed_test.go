@@ -47,7 +47,7 @@ func start(t *testing.T, opts Options) *Testbed {
 	if err != nil {
 		t.Fatalf("start: %v", err)
 	}
-	t.Logf("started (%s) in %s", tb.Mode, time.Since(began).Round(time.Millisecond))
+	t.Logf("started (%s) in %s (%s after getting the lock)", tb.Mode, time.Since(began).Round(time.Millisecond), tb.StartupTime.Round(time.Millisecond))
 	t.Cleanup(func() { _ = tb.Stop(context.Background()) })
 	return tb
 }
@@ -235,10 +235,8 @@ func mustCIDR(s string) *net.IPNet {
 // cache and serves the API.
 func TestAPIOnly(t *testing.T) {
 	requireOwnTestbed(t)
-	began := time.Now()
 	tb := start(t, Options{APIOnly: true})
-	took := time.Since(began)
-	if took > 10*time.Second {
+	if took := tb.StartupTime; took > 10*time.Second {
 		t.Errorf("api-only start took %s, want ≤ 10s", took)
 	}
 	ctx := context.Background()
