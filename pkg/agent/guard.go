@@ -265,6 +265,12 @@ func (g *Guard) reconcileParts(p part) {
 		g.outcome(partKubeconfig, changed, err, "plugin kubeconfig written", "path", g.Kubeconfig.Path)
 	}
 	if p&partConf != 0 {
+		// An entry whose binary or kubeconfig is missing would fail every pod's
+		// CNI ADD on the node: the configuration is touched only once both are in.
+		if g.Binary.Check() != nil || g.Kubeconfig.Check() != nil {
+			g.Log.Debug("CNI configuration left alone until the binary and kubeconfig are in place")
+			return
+		}
 		g.reconcileConf()
 	}
 }
