@@ -432,7 +432,7 @@ func BenchmarkReinjection(b *testing.B) {
 	if err := fileutil.WriteFileAtomic(primary, []byte(calico), 0o644); err != nil {
 		b.Fatal(err)
 	}
-	r := startAgent(b, e.args("--conflict-threshold", "0", "--log-level", "warn"), nil)
+	r := startAgent(b, e.args("--conflict-threshold", "0", "--log-level", "warn", "--debounce", "10ms"), nil) // the default debounce
 	eventually(b, 5*time.Second, "ready", r.a.Guard.Ready)
 	b.ResetTimer()
 	lat := rewriteLoop(b, primary, b.N)
