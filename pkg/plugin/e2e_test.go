@@ -35,21 +35,18 @@ var (
 	buildOnce sync.Once
 	binDir    string
 	buildErr  error
-
-	tbOnce sync.Once
-	tb     *testbed.Testbed
-	tbErr  error
 )
 
+// hostNetnsPath names, through a file descriptor held open for the whole run, the
+// network namespace the test binary started in.
+var hostNetnsPath string
+
 func TestMain(m *testing.M) {
-	code := m.Run()
-	if tb != nil && tb.Owned() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		if err := tb.Stop(ctx); err != nil {
-			fmt.Fprintln(os.Stderr, "stop test bed:", err)
-		}
-		cancel()
+	if f, err := os.Open("/proc/thread-self/ns/net"); err == nil {
+		hostNetnsPath = fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), f.Fd())
+		defer f.Close()
 	}
+	code := testbed.RunMain(m)
 	if binDir != "" {
 		os.RemoveAll(binDir)
 	}
@@ -86,25 +83,11 @@ func binaries(t testing.TB) string {
 	return binDir
 }
 
-// testbedAPI starts (once) an API-only test bed, or attaches to a running one.
+// testbedAPI is the package's shared test bed (pkg/testbed, full mode: the API
+// server tests need only its API; the kubelet test needs the node).
 func testbedAPI(t testing.TB) *testbed.Testbed {
 	t.Helper()
-	testutil.RequireRoot(t)
-	if _, err := testbed.Lookup(); err != nil {
-		testutil.Missing(t, "test bed: %v", err)
-	}
-	tbOnce.Do(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-		defer cancel()
-		tb, tbErr = testbed.Start(ctx, testbed.Options{APIOnly: true})
-		if errors.Is(tbErr, testbed.ErrRunning) {
-			tb, tbErr = testbed.Attach(ctx)
-		}
-	})
-	if tbErr != nil {
-		t.Fatalf("test bed: %v", tbErr)
-	}
-	return tb
+	return testbed.Shared(t)
 }
 
 // runPlugin runs the binary by the CNI contract and returns stdout and the exit code.
@@ -335,8 +318,8 @@ func ensureNamespace(t testing.TB, name string) {
 	}
 }
 
-// createPod stores a pod in the real API server (it is never scheduled) and deletes
-// it when the test ends.
+// createPod stores a pod in the real API server and deletes it when the test ends.
+// A scheduling gate keeps it from ever being scheduled: only its API object matters.
 func createPod(t testing.TB, pod *corev1.Pod) *corev1.Pod {
 	t.Helper()
 	c := testbedAPI(t).Client
@@ -344,6 +327,7 @@ func createPod(t testing.TB, pod *corev1.Pod) *corev1.Pod {
 	pod.Name = fmt.Sprintf("%s-%04x", pod.Name, rand.Uint32()&0xffff)
 	no := false
 	pod.Spec.AutomountServiceAccountToken = &no
+	pod.Spec.SchedulingGates = append(pod.Spec.SchedulingGates, corev1.PodSchedulingGate{Name: "meshcni.test/never"})
 	created, err := c.CoreV1().Pods(pod.Namespace).Create(context.Background(), pod, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatalf("create pod %s/%s: %v", pod.Namespace, pod.Name, err)

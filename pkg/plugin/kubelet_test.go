@@ -1,14 +1,13 @@
-// Package kubelete2e proves the meshcni plugin on a real node: kubelet and containerd
-// (pkg/testbed, full mode) call the conflist bridge + host-local + portmap + meshcni
-// for pods created through the API server.
-package kubelete2e
+package plugin_test
+
+// The full-node proof: kubelet and containerd (pkg/testbed, full mode) call the
+// conflist bridge + host-local + portmap + meshcni for pods created through the API
+// server.
 
 import (
 	"context"
-	"fmt"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -17,7 +16,6 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/traffic"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/backend"
@@ -26,8 +24,6 @@ import (
 	"github.com/meshcni/meshcni/pkg/proxysim"
 	"github.com/meshcni/meshcni/pkg/testbed"
 )
-
-func TestMain(m *testing.M) { os.Exit(testbed.RunMain(m)) }
 
 const (
 	meshNS     = "mesh-e2e"
@@ -60,19 +56,9 @@ func (c *commands) find(cmd, ns, name string) []agentsock.CommandResult {
 
 // install builds meshcni into the test bed's CNI bin dir, writes the agent's run dir
 // (kubeconfig + a socket that records command results) and the conflist.
-func install(t *testing.T, tb *testbed.Testbed) *commands {
+func installOnNode(t *testing.T, tb *testbed.Testbed) *commands {
 	t.Helper()
-	gobin := testutil.RequireBinary(t, "go")
-	root, err := testutil.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	bin := filepath.Join(t.TempDir(), "meshcni")
-	cmd := exec.Command(gobin, "build", "-trimpath", "-o", bin, "./cmd/meshcni")
-	cmd.Dir, cmd.Env = root, append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
+	bin := filepath.Join(binaries(t), "meshcni")
 	if err := testbed.InstallCNIPlugin(bin, "meshcni"); err != nil {
 		t.Fatal(err)
 	}
@@ -117,7 +103,7 @@ func install(t *testing.T, tb *testbed.Testbed) *commands {
 // echoPod is testbed.EchoPod in ns; meshed pods get Istio's injection (status
 // annotation and an istio-proxy container, here the echo image on the excluded port
 // 15021) and no readiness probe (kubelet's probe would be redirected to a proxy).
-func echoPod(ns, name string, meshed bool, mut func(*corev1.Pod)) *corev1.Pod {
+func nodeEchoPod(ns, name string, meshed bool, mut func(*corev1.Pod)) *corev1.Pod {
 	p := testbed.EchoPod(name, 0)
 	p.Namespace = ns
 	if meshed {
@@ -136,7 +122,7 @@ func echoPod(ns, name string, meshed bool, mut func(*corev1.Pod)) *corev1.Pod {
 
 func TestKubeletChain(t *testing.T) {
 	tb := testbed.Shared(t)
-	rec := install(t, tb)
+	rec := installOnNode(t, tb)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	for _, ns := range []string{meshNS, excludedNS} {
@@ -147,7 +133,7 @@ func TestKubeletChain(t *testing.T) {
 	app := traffic.Cred{UID: 1000, GID: 1000}
 
 	t.Run("meshed pod is redirected", func(t *testing.T) {
-		pod, err := tb.CreatePod(ctx, echoPod(meshNS, "meshed", true, nil))
+		pod, err := tb.CreatePod(ctx, nodeEchoPod(meshNS, "meshed", true, nil))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -192,7 +178,7 @@ func TestKubeletChain(t *testing.T) {
 		if err := tb.DeletePod(ctx, meshNS, pod.Name); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, 30*time.Second, func() bool { return len(rec.find(agentsock.CommandDel, meshNS, pod.Name)) > 0 })
+		waitUntil(t, 30*time.Second, func() bool { return len(rec.find(agentsock.CommandDel, meshNS, pod.Name)) > 0 })
 		for _, r := range rec.find(agentsock.CommandDel, meshNS, pod.Name) {
 			if r.Result != agentsock.ResultSuccess {
 				t.Fatalf("DEL failed: %+v", r)
@@ -210,7 +196,7 @@ func TestKubeletChain(t *testing.T) {
 		{"inject-false", meshNS, true, func(p *corev1.Pod) { p.Labels[podspec.AnnotationInject] = "false" }},
 	} {
 		t.Run(tc.name+" is untouched", func(t *testing.T) {
-			p := echoPod(tc.ns, tc.name, tc.meshed, tc.mut)
+			p := nodeEchoPod(tc.ns, tc.name, tc.meshed, tc.mut)
 			if tc.meshed {
 				// Not redirected, so kubelet's probe works: keep it.
 				p.Spec.Containers[0].ReadinessProbe = testbed.EchoPod("x", 0).Spec.Containers[0].ReadinessProbe
@@ -246,7 +232,7 @@ func TestKubeletChain(t *testing.T) {
 	}
 }
 
-func waitFor(t *testing.T, d time.Duration, cond func() bool) {
+func waitUntil(t *testing.T, d time.Duration, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(d)
 	for !cond() {
@@ -257,6 +243,8 @@ func waitFor(t *testing.T, d time.Duration, cond func() bool) {
 	}
 }
 
-// hostNetns is the node's network namespace (the test's own: the test bed's bridge
-// lives there).
-func hostNetns() string { return fmt.Sprintf("/proc/%d/ns/net", os.Getpid()) }
+// hostNetns is the node's network namespace: the one the test binary started in
+// (the test bed's bridge lives there), held open from TestMain. /proc/PID/ns/net is
+// not it: a goroutine that left its locked thread in another namespace may have
+// wedged the main thread there.
+func hostNetns() string { return hostNetnsPath }
