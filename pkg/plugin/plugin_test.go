@@ -247,6 +247,14 @@ func TestAddFailures(t *testing.T) {
 			h.api.addPod(meshed("app", "web", nil))
 			return cmdArgs("app", "web", "uid-old", conf(t, "1.0.0", h.runDir, prevResult100, nil))
 		}, types.ErrInternal, []string{"has UID uid-web but the runtime is creating UID uid-old"}},
+		{"wrong pod in the answer", func(h *harness) *skel.CmdArgs {
+			other := meshed("app", "other", nil)
+			h.api.addPod(other)
+			h.api.mu.Lock()
+			h.api.pods["app/web"] = other
+			h.api.mu.Unlock()
+			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
+		}, types.ErrInternal, []string{"answered the GET of pod app/web with pod app/other"}},
 		{"bad annotation", func(h *harness) *skel.CmdArgs {
 			h.api.addPod(meshed("app", "web", map[string]string{podspec.AnnotationIncludeInboundPorts: "80,http"}))
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
@@ -316,6 +324,21 @@ func TestAddAPIUnreachableFailsClosedWithinDeadline(t *testing.T) {
 	}
 	if took < 600*time.Millisecond || took > 3*time.Second {
 		t.Errorf("took %s with a 700ms deadline", took)
+	}
+}
+
+// A static pod runs with kubelet's UID; its mirror pod in the API carries it in the
+// kubernetes.io/config.mirror annotation.
+func TestAddStaticPodMirrorUID(t *testing.T) {
+	h := newHarness(t)
+	p := meshed("kube-public", "static-web", nil)
+	p.Annotations["kubernetes.io/config.mirror"] = "static-uid"
+	h.api.addPod(p)
+	if err := h.p.Add(cmdArgs("kube-public", "static-web", "static-uid", conf(t, "1.0.0", h.runDir, prevResult100, nil))); err != nil {
+		t.Fatal(err)
+	}
+	if len(h.eng.applied) != 1 {
+		t.Fatal("not applied")
 	}
 }
 
