@@ -155,8 +155,9 @@ func splitWords(s string) ([]string, error) {
 }
 
 // EnsureGroups makes sure the group names the cases use resolve (iptables-restore
-// and nft look them up), adding the missing ones with groupadd for the test's
-// duration.
+// and nft look them up), adding the missing ones with groupadd --system. They are
+// left in place: test binaries of several packages run at once and rely on them, so
+// removing them when one finishes would break another mid-test.
 func EnsureGroups(t testing.TB, names ...string) {
 	t.Helper()
 	data, _ := os.ReadFile("/etc/group")
@@ -171,14 +172,9 @@ func EnsureGroups(t testing.TB, names ...string) {
 			continue
 		}
 		groupadd := testutil.RequireBinary(t, "groupadd")
-		if out, err := runCmd(groupadd, n); err != nil {
+		// -f: succeed if a concurrent test binary added it meanwhile.
+		if out, err := runCmd(groupadd, "--system", "-f", n); err != nil {
 			t.Fatalf("groupadd %s: %v: %s", n, err, out)
 		}
-		name := n
-		t.Cleanup(func() {
-			if groupdel, err := lookPath("groupdel"); err == nil {
-				_, _ = runCmd(groupdel, name)
-			}
-		})
 	}
 }

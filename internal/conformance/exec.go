@@ -5,5 +5,3 @@ import "os/exec"
 func runCmd(path string, args ...string) ([]byte, error) {
 	return exec.Command(path, args...).CombinedOutput()
 }
-
-func lookPath(name string) (string, error) { return exec.LookPath(name) }

@@ -78,6 +78,18 @@ func gidOwner(id uint32, neg bool) []OwnerMatch {
 	return []OwnerMatch{{Group: strconv.FormatUint(uint64(id), 10), Neg: neg}}
 }
 
+// proxyOwners lists one owner match per proxy UID, then per proxy GID, in Istio's order.
+func proxyOwners(s *spec.Spec) [][]OwnerMatch {
+	owners := make([][]OwnerMatch, 0, len(s.ProxyUIDs)+len(s.ProxyGIDs))
+	for _, uid := range s.ProxyUIDs {
+		owners = append(owners, uidOwner(uid, false))
+	}
+	for _, gid := range s.ProxyGIDs {
+		owners = append(owners, gidOwner(gid, false))
+	}
+	return owners
+}
+
 func jump(chain string) Verdict { return Verdict{Kind: Jump, Chain: chain} }
 
 var ret = Verdict{Kind: Return}
@@ -135,13 +147,7 @@ func Build(s *spec.Spec) *Ruleset {
 		Rule{Match: Match{Out: IfaceMatch{Name: "lo"}}, Verdict: ret, Comment: "inbound passthrough from the proxy"})
 
 	loopbackIncluded := s.OutboundIPRanges.HasLoopback()
-	owners := make([][]OwnerMatch, 0, len(s.ProxyUIDs)+len(s.ProxyGIDs))
-	for _, uid := range s.ProxyUIDs {
-		owners = append(owners, uidOwner(uid, false))
-	}
-	for _, gid := range s.ProxyGIDs {
-		owners = append(owners, gidOwner(gid, false))
-	}
+	owners := proxyOwners(s)
 	for i, own := range owners {
 		isUID := i < len(s.ProxyUIDs)
 		notOwn := []OwnerMatch{own[0]}
@@ -273,14 +279,7 @@ func (b *builder) dns() {
 	}
 	// Conntrack zones keep the proxy's upstream DNS flows (zone 1) apart from the
 	// app's flows to the proxy (zone 2), avoiding UDP conntrack races.
-	proxyOwners := make([][]OwnerMatch, 0, len(s.ProxyUIDs)+len(s.ProxyGIDs))
-	for _, uid := range s.ProxyUIDs {
-		proxyOwners = append(proxyOwners, uidOwner(uid, false))
-	}
-	for _, gid := range s.ProxyGIDs {
-		proxyOwners = append(proxyOwners, gidOwner(gid, false))
-	}
-	for _, own := range proxyOwners {
+	for _, own := range proxyOwners(s) {
 		b.add(TableRaw, ChainOutputDNS, Rule{Match: Match{Proto: UDP, DPorts: PortMatch{Ports: dnsPort}, Owners: own}, Verdict: zone(1)})
 		b.add(TableRaw, ChainOutputDNS, Rule{Match: Match{Proto: UDP, SPorts: PortMatch{Ports: []uint16{s.DNSPort}}, Owners: own}, Verdict: zone(2)})
 	}
@@ -322,13 +321,7 @@ func (b *builder) tproxyMarks() {
 	b.add(TableMangle, ChainPrerouting, Rule{Match: Match{Proto: TCP, Mark: &MarkMatch{Value: mark}}, Verdict: Verdict{Kind: SaveMark},
 		Comment: "keep the mark set by the proxy's original_src filter on the connection"})
 	b.add(TableMangle, ChainOutput, Rule{Match: Match{Proto: TCP, Out: lo, Mark: &MarkMatch{Value: mark}}, Verdict: ret})
-	owners := make([][]OwnerMatch, 0, len(s.ProxyUIDs)+len(s.ProxyGIDs))
-	for _, uid := range s.ProxyUIDs {
-		owners = append(owners, uidOwner(uid, false))
-	}
-	for _, gid := range s.ProxyGIDs {
-		owners = append(owners, gidOwner(gid, false))
-	}
+	owners := proxyOwners(s)
 	for _, own := range owners {
 		b.addVersioned(TableMangle, ChainOutput, s.HostLoopback, v6Loopback, setDst(true),
 			Rule{Match: Match{Proto: TCP, Out: lo, Owners: own}, Verdict: Verdict{Kind: SetMark, Mark: spec.OutboundMark}})

@@ -123,6 +123,21 @@ const (
 	CTRelated
 )
 
+// Names lists the states in the order both iptables and nft print them.
+func (s CTState) Names() []string {
+	var out []string
+	if s&CTInvalid != 0 {
+		out = append(out, "invalid")
+	}
+	if s&CTRelated != 0 {
+		out = append(out, "related")
+	}
+	if s&CTEstablished != 0 {
+		out = append(out, "established")
+	}
+	return out
+}
+
 // Match is the conjunction of a rule's conditions. Zero fields match everything.
 type Match struct {
 	Proto    Proto

@@ -81,17 +81,7 @@ func appendPorts(a []string, proto rules.Proto, pm rules.PortMatch, one, many st
 }
 
 func ctStates(s rules.CTState) string {
-	var out []string
-	if s&rules.CTInvalid != 0 {
-		out = append(out, "INVALID")
-	}
-	if s&rules.CTRelated != 0 {
-		out = append(out, "RELATED")
-	}
-	if s&rules.CTEstablished != 0 {
-		out = append(out, "ESTABLISHED")
-	}
-	return strings.Join(out, ",")
+	return strings.ToUpper(strings.Join(s.Names(), ","))
 }
 
 func targetArgs(v rules.Verdict) []string {

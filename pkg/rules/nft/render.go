@@ -259,41 +259,34 @@ func Statements(table, chain string, r rules.Rule) []Stmt {
 		add(Stmt{Kind: CTMark, Value: m.ConnMark.Value, Neg: m.ConnMark.Neg})
 	}
 
-	counter := Stmt{Kind: Counter}
 	v := r.Verdict
+	if v.Kind != rules.TProxy {
+		add(Stmt{Kind: Counter}) // Istio counts before every verdict but tproxy's
+	}
 	switch v.Kind {
 	case rules.Jump:
-		add(counter)
 		add(Stmt{Kind: Jump, Name: ChainName(v.Chain)})
 	case rules.Return:
-		add(counter)
 		add(Stmt{Kind: Return})
 	case rules.Accept:
-		add(counter)
 		add(Stmt{Kind: Accept})
 	case rules.Drop:
-		add(counter)
 		add(Stmt{Kind: Drop})
 	case rules.Redirect:
-		add(counter)
 		add(Stmt{Kind: Redirect, Value: uint32(v.Port)})
 	case rules.TProxy:
 		// Istio: tproxy ip to :PORT meta mark set MARK counter accept
 		add(Stmt{Kind: TProxy, Value: uint32(v.Port), Family: tproxyFamily(r)})
 		add(Stmt{Kind: SetMark, Value: v.Mark})
-		add(counter)
+		add(Stmt{Kind: Counter})
 		add(Stmt{Kind: Accept})
 	case rules.SetMark:
-		add(counter)
 		add(Stmt{Kind: SetMark, Value: v.Mark})
 	case rules.SaveMark:
-		add(counter)
 		add(Stmt{Kind: SaveMark})
 	case rules.RestoreMark:
-		add(counter)
 		add(Stmt{Kind: RestoreMark})
 	case rules.CTZone:
-		add(counter)
 		add(Stmt{Kind: CTZone, Value: uint32(v.Zone)})
 	default:
 		panic(fmt.Sprintf("nft: unknown verdict kind %d", v.Kind))
@@ -356,19 +349,7 @@ func neg(b bool) string {
 func u(n uint32) string { return strconv.FormatUint(uint64(n), 10) }
 
 // CTStateText renders a conntrack state set as Istio writes it.
-func CTStateText(s rules.CTState) string {
-	var out []string
-	if s&rules.CTInvalid != 0 {
-		out = append(out, "invalid")
-	}
-	if s&rules.CTRelated != 0 {
-		out = append(out, "related")
-	}
-	if s&rules.CTEstablished != 0 {
-		out = append(out, "established")
-	}
-	return strings.Join(out, ",")
-}
+func CTStateText(s rules.CTState) string { return strings.Join(s.Names(), ",") }
 
 // PortsText renders one port, or an anonymous set of ports.
 func PortsText(ps []uint16) string {

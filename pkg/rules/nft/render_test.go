@@ -198,3 +198,11 @@ func TestRenderIdempotent(t *testing.T) {
 		t.Errorf("replacing a TPROXY ruleset left stale state:\n%s\n--- fresh\n%s", once, got)
 	}
 }
+
+func BenchmarkRenderPodDefaults(b *testing.B) {
+	rs := rules.Build(podDefaults())
+	b.ReportAllocs()
+	for b.Loop() {
+		_ = nft.Render(rs)
+	}
+}
