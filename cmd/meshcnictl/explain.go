@@ -16,7 +16,6 @@ import (
 	"github.com/meshcni/meshcni/pkg/plugin"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/rules"
-	iptrender "github.com/meshcni/meshcni/pkg/rules/iptables"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -138,18 +137,7 @@ func explain(out io.Writer, pod *corev1.Pod, f *explainFlags) error {
 	}
 	podspec.WithFamilies(s, addrs)
 	printSpec(out, s)
-	rs := rules.Build(s)
-	if rs.Families.Has(rules.V4) {
-		fmt.Fprintln(out, "# iptables-restore --noflush input, IPv4")
-		fmt.Fprint(out, iptrender.Restore(rs, rules.V4))
-	}
-	if rs.Families.Has(rules.V6) {
-		fmt.Fprintln(out, "# ip6tables-restore --noflush input, IPv6")
-		fmt.Fprint(out, iptrender.Restore(rs, rules.V6))
-	}
-	if rs.Route != nil {
-		fmt.Fprintf(out, "# policy routing: ip rule add fwmark %d lookup %d; ip route add local default dev lo table %d\n", rs.Route.Mark, rs.Route.Table, rs.Route.Table)
-	}
+	printRules(out, rules.Build(s))
 	return nil
 }
 

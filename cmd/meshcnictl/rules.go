@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -130,18 +131,25 @@ func hasGlobalIPv6(netns string) (bool, error) {
 }
 
 func runRender(_ context.Context, cmd *cobra.Command, _ *rulesFlags, s *spec.Spec) error {
-	rs := rules.Build(s)
-	out := cmd.OutOrStdout()
-	fmt.Fprintln(out, "# iptables-restore --noflush input, IPv4")
-	fmt.Fprint(out, iptrender.Restore(rs, rules.V4))
-	if rs.Families.Has(rules.V6) {
-		fmt.Fprintln(out, "# ip6tables-restore --noflush input, IPv6")
-		fmt.Fprint(out, iptrender.Restore(rs, rules.V6))
+	printRules(cmd.OutOrStdout(), rules.Build(s))
+	return nil
+}
+
+// printRules writes the ruleset as iptables-restore input per enabled family, and
+// the TPROXY policy routing, for render and explain.
+func printRules(out io.Writer, rs *rules.Ruleset) {
+	for _, f := range []struct {
+		family rules.Family
+		title  string
+	}{{rules.V4, "# iptables-restore --noflush input, IPv4"}, {rules.V6, "# ip6tables-restore --noflush input, IPv6"}} {
+		if rs.Families.Has(f.family) {
+			fmt.Fprintln(out, f.title)
+			fmt.Fprint(out, iptrender.Restore(rs, f.family))
+		}
 	}
 	if rs.Route != nil {
 		fmt.Fprintf(out, "# policy routing: ip rule add fwmark %d lookup %d; ip route add local default dev lo table %d\n", rs.Route.Mark, rs.Route.Table, rs.Route.Table)
 	}
-	return nil
 }
 
 func runApply(ctx context.Context, cmd *cobra.Command, f *rulesFlags, s *spec.Spec) error {

@@ -1,6 +1,8 @@
 package ociimage
 
 import (
+	"github.com/meshcni/meshcni/internal/testutil"
+
 	"archive/tar"
 	"context"
 	"debug/elf"
@@ -160,9 +162,7 @@ func keys(m map[string]*tar.Header) []string {
 }
 
 func TestGoBinaryIsStatic(t *testing.T) {
-	if _, err := exec.LookPath("go"); err != nil {
-		t.Skip("no go command")
-	}
+	testutil.RequireBinary(t, "go")
 	out := filepath.Join(t.TempDir(), "hello")
 	if err := GoBinary(context.Background(), ".", "./testdata/hello", out); err != nil {
 		t.Fatal(err)

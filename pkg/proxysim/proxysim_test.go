@@ -1,6 +1,8 @@
 package proxysim_test
 
 import (
+	"github.com/meshcni/meshcni/internal/testutil"
+
 	"context"
 	"encoding/json"
 	"net/netip"
@@ -46,7 +48,7 @@ func start(t *testing.T, cfg proxysim.Config) (*proxysim.Proxy, func() []proxysi
 		t.Fatal(err)
 	}
 	if err := p.Listen(); err != nil {
-		t.Skipf("cannot bind test ports: %v", err)
+		testutil.Missing(t, "cannot bind test ports on 127.0.0.1: %v", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)

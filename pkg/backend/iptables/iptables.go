@@ -87,16 +87,7 @@ func (b *Backend) run(ctx context.Context, netns string, family rules.Family, to
 	lock.Close()
 	defer os.Remove(lock.Name())
 	env := []string{"XTABLES_LOCKFILE=" + lock.Name(), "PATH=/usr/sbin:/usr/bin:/sbin:/bin"}
-	var in *strings.Reader
-	if stdin != "" {
-		in = strings.NewReader(stdin)
-	}
-	var out []byte
-	if in != nil {
-		out, err = netnsutil.Exec(ctx, netns, in, env, prog, args...)
-	} else {
-		out, err = netnsutil.Exec(ctx, netns, nil, env, prog, args...)
-	}
+	out, err := netnsutil.Exec(ctx, netns, strings.NewReader(stdin), env, prog, args...)
 	return string(out), err
 }
 
