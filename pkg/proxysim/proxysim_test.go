@@ -36,7 +36,8 @@ func TestConfigErrors(t *testing.T) {
 	}
 }
 
-// start runs a proxy on loopback ephemeral-ish ports (no root, no rules needed).
+// start runs a proxy on fixed loopback ports below the kernel's ephemeral range
+// (32768-60999), so no concurrent outgoing connection can hold them (no root needed).
 func start(t *testing.T, cfg proxysim.Config) (*proxysim.Proxy, func() []proxysim.Record) {
 	t.Helper()
 	var mu sync.Mutex
@@ -68,8 +69,8 @@ func start(t *testing.T, cfg proxysim.Config) (*proxysim.Proxy, func() []proxysi
 }
 
 func TestRecordModeWithoutRedirect(t *testing.T) {
-	_, recs := start(t, proxysim.Config{IPv4: true, OutboundPort: 39101, InboundPort: 39106})
-	res := proxysim.Probe(context.Background(), proxysim.ProbeRequest{Dst: netip.MustParseAddrPort("127.0.0.1:39101"), Send: "x"})
+	_, recs := start(t, proxysim.Config{IPv4: true, OutboundPort: 29101, InboundPort: 29106})
+	res := proxysim.Probe(context.Background(), proxysim.ProbeRequest{Dst: netip.MustParseAddrPort("127.0.0.1:29101"), Send: "x"})
 	if !res.Connected || res.Error != "" {
 		t.Fatalf("probe: %+v", res)
 	}
@@ -87,8 +88,8 @@ func TestRecordModeWithoutRedirect(t *testing.T) {
 }
 
 func TestForwardRefusesToLoop(t *testing.T) {
-	_, recs := start(t, proxysim.Config{Mode: proxysim.ModeForward, IPv4: true, OutboundPort: 39201})
-	res := proxysim.Probe(context.Background(), proxysim.ProbeRequest{Dst: netip.MustParseAddrPort("127.0.0.1:39201"), Timeout: 2 * time.Second})
+	_, recs := start(t, proxysim.Config{Mode: proxysim.ModeForward, IPv4: true, OutboundPort: 29201})
+	res := proxysim.Probe(context.Background(), proxysim.ProbeRequest{Dst: netip.MustParseAddrPort("127.0.0.1:29201"), Timeout: 2 * time.Second})
 	if res.Reply != "" {
 		t.Fatalf("a non-redirected connection was answered: %+v", res)
 	}
@@ -108,9 +109,9 @@ func TestForwardRefusesToLoop(t *testing.T) {
 }
 
 func TestDNS(t *testing.T) {
-	_, recs := start(t, proxysim.Config{IPv4: true, DNSPort: 39353,
+	_, recs := start(t, proxysim.Config{IPv4: true, DNSPort: 29353,
 		DNSAnswerV4: netip.MustParseAddr("10.9.9.9"), DNSAnswerV6: netip.MustParseAddr("fd00::9")})
-	server := netip.MustParseAddrPort("127.0.0.1:39353")
+	server := netip.MustParseAddrPort("127.0.0.1:29353")
 	tests := []struct {
 		name string
 		typ  string
