@@ -1,5 +1,5 @@
 // Command meshcnictl renders, applies, checks and cleans meshcni's traffic-redirect
-// rules by hand, validates a pod's redirect from inside it, and inspects pods.
+// rules by hand, validates a pod's redirect from inside it, and explains pods.
 package main
 
 import (
