@@ -43,6 +43,9 @@ type Agent struct {
 type Options struct {
 	// Recorder reports conflicts as Kubernetes Events; nil reports to the log only.
 	Recorder Recorder
+	// Kube is the agent's own API access; nil runs without it (no Events, no pod
+	// informer, no repair).
+	Kube *Kube
 	// Getenv reads the environment (default os.Getenv): the in-cluster API address.
 	Getenv func(string) string
 }

@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -13,6 +12,7 @@ import (
 	"time"
 
 	"github.com/meshcni/meshcni/pkg/cniconf"
+	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/install"
 )
 
@@ -28,7 +28,8 @@ type Config struct {
 	StandaloneFileName string
 	PluginBinary       string
 	RunDir             string
-	KubeconfigSource   string // empty: in-cluster service account
+	Kubeconfig         string // the agent's own API client; empty: in-cluster
+	KubeconfigSource   string // the plugin's kubeconfig source; empty: in-cluster service account
 	TokenFile, CAFile  string
 	ExcludeNamespaces  []string
 	LogLevel           slog.Level
@@ -69,9 +70,7 @@ func (c *Config) Entry() cniconf.PluginEntry {
 const EnvPrefix = "MESHCNI_"
 
 // EnvName returns the environment variable of a flag.
-func EnvName(flagName string) string {
-	return EnvPrefix + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
-}
+func EnvName(flagName string) string { return flagenv.Name(EnvPrefix, flagName) }
 
 // ParseFlags reads the configuration from args and the environment (getenv): a flag
 // beats its variable, which beats the default. Every value is parsed and checked.
@@ -87,6 +86,7 @@ func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Co
 	fs.StringVar(&c.StandaloneFileName, "standalone-file-name", "meshcni.conflist", "file name of the standalone list in --cni-conf-dir")
 	fs.StringVar(&c.PluginBinary, "plugin-binary", "/opt/meshcni/bin/meshcni", "meshcni plugin binary to install")
 	fs.StringVar(&c.RunDir, "run-dir", "/var/run/meshcni", "run directory shared with the plugin: kubeconfig and agent socket")
+	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig of the agent's own API client (Events, the node's pods); default: the pod's in-cluster service account")
 	fs.StringVar(&c.KubeconfigSource, "kubeconfig-source", "", "kubeconfig to give the plugin (outside a pod); default: build one from the pod's service account")
 	fs.StringVar(&c.TokenFile, "token-file", install.DefaultTokenFile, "service-account token file (in a pod)")
 	fs.StringVar(&c.CAFile, "ca-file", install.DefaultCAFile, "service-account CA file (in a pod)")
@@ -105,16 +105,7 @@ func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Co
 	fs.StringVar(&c.PodNamespace, "pod-namespace", "", "the agent's pod namespace (downward API)")
 	fs.StringVar(&c.NodeName, "node-name", "", "the node's name (downward API)")
 
-	var errs []error
-	fs.VisitAll(func(f *flag.Flag) {
-		f.Usage += " [$" + EnvName(f.Name) + "]"
-		if v := getenv(EnvName(f.Name)); v != "" {
-			if err := fs.Set(f.Name, v); err != nil {
-				errs = append(errs, fmt.Errorf("%s=%q: %w", EnvName(f.Name), v, err))
-			}
-		}
-	})
-	if err := errors.Join(errs...); err != nil {
+	if err := flagenv.Bind(fs, EnvPrefix, getenv); err != nil {
 		return nil, err
 	}
 	if err := fs.Parse(args); err != nil {
@@ -147,6 +138,7 @@ func (c *Config) validate() error {
 		{"cni-conf-dir", c.CNIConfDir, false},
 		{"plugin-binary", c.PluginBinary, false},
 		{"run-dir", c.RunDir, false},
+		{"kubeconfig", c.Kubeconfig, true},
 		{"kubeconfig-source", c.KubeconfigSource, true},
 		{"token-file", c.TokenFile, false},
 		{"ca-file", c.CAFile, false},

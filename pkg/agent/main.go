@@ -24,11 +24,16 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 	}
 	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: cfg.LogLevel}))
 	opts := Options{Getenv: getenv}
-	if rec, stop, err := NewPodRecorder(cfg, log); err == nil {
-		defer stop()
+	if k, err := NewKube(cfg); err == nil {
+		defer k.Stop()
+		opts.Kube = k
+	} else {
+		log.Info("no Kubernetes API access: Events and the node's pods are off", "reason", err.Error())
+	}
+	if rec, err := NewPodRecorder(cfg, opts.Kube); err == nil {
 		opts.Recorder = rec
 	} else {
-		log.Info("Kubernetes Events disabled", "reason", err.Error())
+		log.Info("Kubernetes Events about the agent disabled", "reason", err.Error())
 	}
 	a, err := New(cfg, log, opts)
 	if err != nil {
