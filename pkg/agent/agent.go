@@ -18,6 +18,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
 	"github.com/meshcni/meshcni/pkg/install"
+	"github.com/meshcni/meshcni/pkg/nodepods"
 )
 
 // Runnable is one long-running part of the agent. Run blocks until ctx ends (nil) or
@@ -35,6 +36,9 @@ type Agent struct {
 	Guard   *Guard
 	Health  *HealthServer
 	Socket  *SocketServer
+	// Pods caches the node's pods when the agent has API access and knows its node
+	// (nil otherwise); parts that need them add handlers before Run.
+	Pods *nodepods.Cache
 
 	runnables []Runnable
 }
@@ -89,6 +93,14 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 	a.Health = &HealthServer{Addr: cfg.HealthAddr, Ready: a.Guard.Ready, Metrics: m, Log: log}
 	a.Socket = &SocketServer{Path: agentsock.Path(cfg.RunDir), Log: log, Metrics: m}
 	a.runnables = []Runnable{a.Socket, a.Health, a.Guard}
+	if opts.Kube != nil && cfg.NodeName != "" {
+		pods, err := nodepods.New(opts.Kube.Client, cfg.NodeName, 0)
+		if err != nil {
+			return nil, err
+		}
+		a.Pods = pods
+		a.runnables = append(a.runnables, pods)
+	}
 	return a, nil
 }
 
