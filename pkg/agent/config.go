@@ -93,7 +93,7 @@ func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Co
 	fs.StringVar(&excl, "exclude-namespaces", "kube-system", "comma-separated namespaces whose pods the plugin leaves alone")
 	fs.StringVar(&logLevel, "log-level", "info", "agent log level: debug, info, warn, error")
 	fs.StringVar(&c.PluginLogLevel, "plugin-log-level", "info", "plugin log level: debug, info, warn, error")
-	fs.StringVar(&c.Backend, "backend", "auto", "plugin redirect backend: auto, iptables, nftables")
+	fs.StringVar(&c.Backend, "backend", "auto", "plugin redirect backend: auto, nftables, iptables-nft, iptables-legacy (iptables = iptables-nft)")
 	fs.StringVar(&c.HealthAddr, "health-addr", ":9807", "listen address of /healthz, /readyz and /metrics")
 	fs.BoolVar(&c.KeepOnExit, "keep-on-exit", false, "leave binary, kubeconfig and configuration in place on exit (rolling upgrade)")
 	fs.DurationVar(&c.Debounce, "debounce", 10*time.Millisecond, "wait after a file event before reconciling, to merge bursts")

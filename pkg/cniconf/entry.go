@@ -35,7 +35,8 @@ type Kubernetes struct {
 // Values accepted in PluginEntry.
 var (
 	LogLevels = []string{"debug", "info", "warn", "error"}
-	Backends  = []string{"auto", "iptables", "nftables"}
+	// Backends are backend.Kind's names plus "iptables", an alias of iptables-nft.
+	Backends = []string{"auto", "nftables", "iptables-nft", "iptables-legacy", "iptables"}
 )
 
 var dns1123Label = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`)
