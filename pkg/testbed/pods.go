@@ -12,6 +12,7 @@ import (
 	"github.com/containernetworking/plugins/pkg/ns"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	//lint:ignore SA1019 client-go v0.37 remotecommand still takes this type
 	"k8s.io/apimachinery/pkg/util/httpstream"
@@ -77,13 +78,18 @@ func (tb *Testbed) DeletePod(ctx context.Context, namespace, name string) error 
 }
 
 // CreateNamespace creates a namespace and waits for its default ServiceAccount
-// (pods cannot be created before it exists).
+// (pods cannot be created before it exists). API-only, with no controller-manager
+// to make it, it creates the ServiceAccount itself.
 func (tb *Testbed) CreateNamespace(ctx context.Context, name string) error {
 	_, err := tb.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
 	if err != nil {
 		return fmt.Errorf("create namespace %s: %w", name, err)
 	}
 	if tb.Mode == ModeAPIOnly {
+		sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: name, Name: "default"}}
+		if _, err := tb.Client.CoreV1().ServiceAccounts(name).Create(ctx, sa, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			return fmt.Errorf("create the default ServiceAccount of %s: %w", name, err)
+		}
 		return nil
 	}
 	return poll(ctx, 100*time.Millisecond, func() error {

@@ -101,3 +101,43 @@ func Shared(t testing.TB) *Testbed {
 	}
 	return tb
 }
+
+// API returns a test bed with at least an API server for a test that needs no
+// node: this test binary's shared test bed when one is up (a full node is a
+// superset), else an API-only one (etcd + kube-apiserver, ≈ 4 s) stopped when the
+// test ends. Use it rather than Start in tests, so a package mixing Shared and
+// API-only tests never waits on its own lock. Skips/fails like Shared.
+func API(t testing.TB) *Testbed {
+	t.Helper()
+	testutil.RequireRoot(t)
+	if _, err := Lookup(); err != nil {
+		if errors.Is(err, ErrNotBuilt) {
+			testutil.Missing(t, "%v", err)
+		}
+		t.Fatalf("testbed: %v", err)
+	}
+	sharedMu.Lock()
+	defer sharedMu.Unlock()
+	if sharedTB != nil && (!sharedTB.owned || sharedTB.IsRunning()) {
+		return sharedTB
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	if _, _, ok := Running(); ok {
+		tb, err := Attach(ctx)
+		if err != nil {
+			t.Fatalf("attach to the running test bed: %v", err)
+		}
+		return tb
+	}
+	tb, err := Start(ctx, Options{APIOnly: true, Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))})
+	if err != nil {
+		t.Fatalf("start API-only test bed: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := tb.Stop(context.Background()); err != nil {
+			t.Errorf("stop test bed: %v", err)
+		}
+	})
+	return tb
+}
