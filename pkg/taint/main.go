@@ -1,0 +1,93 @@
+package taint
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os/signal"
+	"syscall"
+
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+)
+
+// Main is meshcni-taint-controller's main: it parses args and the environment, runs the
+// controller until SIGTERM or SIGINT, and returns the exit code (0: stopped by a signal
+// or --help, 2: bad settings, 1: failure, including a lost Lease).
+func Main(args []string, getenv func(string) string, stderr io.Writer) int {
+	cfg, err := ParseFlags(args, getenv, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", Component, err)
+		return 2
+	}
+	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: cfg.LogLevel}))
+	klog.SetSlogLogger(log) // client-go's own logs (leader election) as JSON too
+	rc, err := restConfig(cfg.Kubeconfig)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", Component, err)
+		return 2
+	}
+	cs, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: kubernetes client: %v\n", Component, err)
+		return 2
+	}
+	c, err := New(cs, cfg, log)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", Component, err)
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	serveErr := make(chan error, 1)
+	if cfg.HealthAddr != "" {
+		go func() {
+			err := c.Serve(ctx, cfg.HealthAddr, log)
+			if err != nil {
+				cancel()
+			}
+			serveErr <- err
+		}()
+	} else {
+		close(serveErr)
+	}
+	log.Info("starting", "agentNamespace", cfg.AgentNamespace, "agentSelector", cfg.AgentSelector.String(),
+		"nodeSelector", cfg.NodeSelector.String(), "gracePeriod", cfg.GracePeriod.String(), "taintNewNodes", cfg.TaintNewNodes,
+		"leaderElect", cfg.LeaderElect, "identity", cfg.Identity)
+	runErr := c.Run(ctx)
+	cancel()
+	if err := <-serveErr; err != nil {
+		log.Error("stopped", "err", err.Error())
+		return 1
+	}
+	if runErr != nil {
+		log.Error("stopped", "err", runErr.Error())
+		return 1
+	}
+	log.Info("stopped")
+	return 0
+}
+
+func restConfig(kubeconfig string) (*rest.Config, error) {
+	var rc *rest.Config
+	var err error
+	if kubeconfig != "" {
+		if rc, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {
+			return nil, fmt.Errorf("--kubeconfig %s: %w", kubeconfig, err)
+		}
+	} else if rc, err = rest.InClusterConfig(); err != nil {
+		return nil, fmt.Errorf("not in a cluster and no --kubeconfig: %w", err)
+	}
+	rc.UserAgent = Component
+	return rc, nil
+}

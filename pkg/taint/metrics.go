@@ -1,0 +1,47 @@
+package taint
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+)
+
+// Metrics are the controller's Prometheus metrics, in a registry of their own.
+type Metrics struct {
+	Registry *prometheus.Registry
+	// Changes counts taint writes that changed a node, by action (add, remove).
+	Changes *prometheus.CounterVec
+	// Errors counts failed reconciles of a node (retried with backoff).
+	Errors prometheus.Counter
+	// Leader is 1 while this replica leads (acts on nodes).
+	Leader prometheus.Gauge
+}
+
+// NewMetrics registers the metrics in a new registry. tainted is read at every scrape:
+// the number of managed nodes carrying the taint, as this replica's cache sees them.
+func NewMetrics(tainted func() float64) *Metrics {
+	m := &Metrics{
+		Registry: prometheus.NewRegistry(),
+		Changes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshcni_taint_changes_total",
+			Help: "Taint writes by this replica that changed a node, by action (add, remove).",
+		}, []string{"action"}),
+		Errors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "meshcni_taint_reconcile_errors_total",
+			Help: "Reconciles of a node that failed and were retried with backoff.",
+		}),
+		Leader: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "meshcni_taint_leader",
+			Help: "1 while this replica is the leader, the only one that writes taints.",
+		}),
+	}
+	nodes := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "meshcni_taint_nodes_tainted",
+		Help: "Managed nodes carrying the taint cni.istio.io/not-ready:NoSchedule (this replica's cache; every replica reports it).",
+	}, tainted)
+	m.Registry.MustRegister(m.Changes, m.Errors, m.Leader, nodes,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	for _, a := range []Action{Add, Remove} {
+		m.Changes.WithLabelValues(a.String())
+	}
+	return m
+}
