@@ -126,7 +126,10 @@ func Build(s *spec.Spec) *Ruleset {
 		b.insert(TableNat, ChainPrerouting, 1, Rule{Match: Match{In: IfaceMatch{Name: ifc}}, Verdict: ret})
 	}
 	if s.DropInvalid {
-		b.add(TableMangle, ChainPrerouting, Rule{Match: Match{CTState: CTInvalid}, Verdict: jump(ChainDrop)})
+		// Istio's iptables generator drops every invalid packet, its nftables generator
+		// invalid TCP only; each view matches its generator.
+		b.add(TableMangle, ChainPrerouting, Rule{Scope: IptablesViews, Match: Match{CTState: CTInvalid}, Verdict: jump(ChainDrop)})
+		b.add(TableMangle, ChainPrerouting, Rule{Scope: InetView, Match: Match{Proto: TCP, CTState: CTInvalid}, Verdict: jump(ChainDrop)})
 		b.add(TableMangle, ChainDrop, Rule{Verdict: Verdict{Kind: Drop}})
 	}
 

@@ -176,9 +176,32 @@ type Verdict struct {
 	Zone  uint16 // CTZone
 }
 
+// Scope limits a rule to the iptables views (IPv4, IPv6) or to the inet view, where
+// Istio's two generators write different rules for the same purpose. Zero: every view.
+type Scope uint8
+
+const (
+	AllViews      Scope = iota
+	IptablesViews       // Resolve(V4) and Resolve(V6) only
+	InetView            // Resolve(Both) only
+)
+
+// in reports whether a rule of this scope belongs to the inet view (inet) or to an
+// iptables view (!inet).
+func (s Scope) in(inet bool) bool {
+	switch s {
+	case IptablesViews:
+		return !inet
+	case InetView:
+		return inet
+	}
+	return true
+}
+
 // Rule is one typed rule.
 type Rule struct {
 	Family  Family
+	Scope   Scope
 	Match   Match
 	Verdict Verdict
 	// IfTargetNonEmpty drops a Jump from a view in which its target chain holds no
@@ -260,7 +283,7 @@ func (rs *Ruleset) Resolve(view Family) []ResolvedTable {
 	}
 	var out []ResolvedTable
 	for _, t := range rs.Tables {
-		rt := resolveTable(t, view&rs.Families)
+		rt := resolveTable(t, view&rs.Families, view == Both)
 		if len(rt.Chains) > 0 {
 			out = append(out, rt)
 		}
@@ -268,11 +291,11 @@ func (rs *Ruleset) Resolve(view Family) []ResolvedTable {
 	return out
 }
 
-func resolveTable(t *Table, view Family) ResolvedTable {
+func resolveTable(t *Table, view Family, inet bool) ResolvedTable {
 	var order []string
 	chains := map[string][]Rule{}
 	for _, op := range t.Ops {
-		if op.Rule.Family&view == 0 {
+		if op.Rule.Family&view == 0 || !op.Rule.Scope.in(inet) {
 			continue
 		}
 		rules, seen := chains[op.Chain]

@@ -20,11 +20,7 @@ import (
 
 // knownDifferences lists the Istio nftables cases that differ from meshcni's kernel
 // state, with the reason (docs/conformance.md, section nftables).
-var knownDifferences = map[string]string{
-	"drop-invalid": "Istio's nftables generator drops only invalid TCP (meta l4proto tcp ct state invalid jump istio-drop); " +
-		"its iptables generator and the model's single rule drop every invalid packet, and the model cannot yet " +
-		"express a match that differs between the iptables and the inet view",
-}
+var knownDifferences = map[string]string{}
 
 func podDefaults() *spec.Spec { s := spec.PodDefaults(); return &s }
 

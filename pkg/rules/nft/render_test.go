@@ -132,11 +132,7 @@ func TestRuleText(t *testing.T) {
 // KnownDifferences lists the Istio nftables cases whose kernel state differs from
 // meshcni's on purpose or for a model limitation, with the reason
 // (docs/conformance.md, section nftables).
-var KnownDifferences = map[string]string{
-	"drop-invalid": "Istio's nftables generator drops only invalid TCP (meta l4proto tcp ct state invalid); " +
-		"its iptables generator, and the model's single rule, drop every invalid packet; the model cannot express " +
-		"a match that differs between the iptables and nftables views",
-}
+var KnownDifferences = map[string]string{}
 
 // TestRenderMatchesIstio loads the rendered script and Istio's golden into two fresh
 // namespaces and compares what the kernel holds.
