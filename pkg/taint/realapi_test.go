@@ -1,0 +1,586 @@
+package taint
+
+// Proofs on a real kube-apiserver (the test bed's API-only mode: etcd + kube-apiserver,
+// no kubelet). The tests create Node and agent Pod objects through the API and set the
+// pods' status themselves, as a kubelet would.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"reflect"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+
+	itestutil "github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/pkg/testbed"
+)
+
+// The test bed is started once for the package (API-only, ≈ 4 s) and stopped by TestMain.
+var bed struct {
+	once sync.Once
+	tb   *testbed.Testbed
+	err  error
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if bed.tb != nil {
+		if err := bed.tb.Stop(context.Background()); err != nil {
+			fmt.Fprintf(os.Stderr, "stop test bed: %v\n", err)
+			if code == 0 {
+				code = 1
+			}
+		}
+	}
+	os.Exit(code)
+}
+
+// apiServer returns the package's API-only test bed, starting it on first use. It
+// skips outside CI (fails under CI=true) without root, without the built binaries, or
+// while a shared test bed (`hack/testbed up`) runs: these tests create fake Nodes,
+// which must not appear in a cluster other people's tests use.
+func apiServer(t *testing.T) *testbed.Testbed {
+	t.Helper()
+	itestutil.RequireRoot(t)
+	if _, err := testbed.Lookup(); err != nil {
+		if errors.Is(err, testbed.ErrNotBuilt) {
+			itestutil.Missing(t, "%v", err)
+		}
+		t.Fatalf("testbed: %v", err)
+	}
+	if _, pid, ok := testbed.Running(); ok && bed.tb == nil {
+		itestutil.Missing(t, "a shared test bed (pid %d) is running; these tests create fake Nodes and need their own API server", pid)
+	}
+	bed.once.Do(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+		defer cancel()
+		began := time.Now()
+		bed.tb, bed.err = testbed.Start(ctx, testbed.Options{APIOnly: true, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+		if bed.err == nil {
+			t.Logf("API-only test bed up in %s (%s after the lock)", time.Since(began).Round(time.Millisecond), bed.tb.StartupTime.Round(time.Millisecond))
+		}
+	})
+	if bed.err != nil {
+		t.Fatalf("start API-only test bed: %v", bed.err)
+	}
+	return bed.tb
+}
+
+// env is one test's namespace, node label and helpers.
+type env struct {
+	t     *testing.T
+	ctx   context.Context
+	tb    *testbed.Testbed
+	cs    kubernetes.Interface
+	ns    string
+	label string // nodes of this test carry meshcni.test/taint=<label>
+}
+
+const testNodeLabel = "meshcni.test/taint"
+
+// nodeNotReady is what the API server's TaintNodesByCondition admission puts on every
+// node it creates.
+var nodeNotReady = corev1.Taint{Key: corev1.TaintNodeNotReady, Effect: corev1.TaintEffectNoSchedule}
+
+func newEnv(t *testing.T, ns, label string) *env {
+	t.Helper()
+	tb := apiServer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	e := &env{t: t, ctx: ctx, tb: tb, cs: tb.Client, ns: ns, label: label}
+	if err := tb.CreateNamespace(ctx, ns); err != nil && !apierrors.IsAlreadyExists(errors.Unwrap(err)) {
+		t.Fatal(err)
+	}
+	// No controller-manager in API-only mode: the ServiceAccount admission needs the
+	// namespace's default ServiceAccount before any pod.
+	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default", Namespace: ns}}
+	if _, err := e.cs.CoreV1().ServiceAccounts(ns).Create(ctx, sa, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx := context.Background()
+		_ = e.cs.CoreV1().Nodes().DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{LabelSelector: testNodeLabel + "=" + label})
+		_ = e.cs.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{})
+	})
+	return e
+}
+
+func (e *env) config(identity string) *Config {
+	return &Config{
+		AgentNamespace:  e.ns,
+		AgentSelector:   labels.SelectorFromSet(labels.Set{"app.kubernetes.io/name": "meshcni", "app.kubernetes.io/component": "agent"}),
+		NodeSelector:    labels.SelectorFromSet(labels.Set{testNodeLabel: e.label}),
+		TaintNewNodes:   true,
+		GracePeriod:     2 * time.Second,
+		Workers:         2,
+		LeaderElect:     true,
+		LeaseName:       "meshcni-taint-" + e.label,
+		LeaseNamespace:  e.ns,
+		Identity:        identity,
+		LeaseDuration:   2 * time.Second,
+		RenewDeadline:   time.Second,
+		RetryPeriod:     500 * time.Millisecond,
+		KeepLeaseOnExit: false,
+	}
+}
+
+// replica is a running controller with its own API client, whose node writes are
+// counted at the HTTP level.
+type replica struct {
+	c          *Controller
+	id         string
+	nodeWrites atomic.Int64 // PATCH/PUT on nodes sent by this replica
+	cancel     context.CancelFunc
+	done       chan error
+}
+
+type countingRT struct {
+	rt http.RoundTripper
+	n  *atomic.Int64
+}
+
+func (c countingRT) RoundTrip(r *http.Request) (*http.Response, error) {
+	if (r.Method == http.MethodPatch || r.Method == http.MethodPut) && strings.HasPrefix(r.URL.Path, "/api/v1/nodes/") {
+		c.n.Add(1)
+	}
+	return c.rt.RoundTrip(r)
+}
+
+func (e *env) start(cfg *Config) *replica {
+	e.t.Helper()
+	r := &replica{id: cfg.Identity, done: make(chan error, 1)}
+	rc := rest.CopyConfig(e.tb.RESTConfig)
+	rc.UserAgent = Component + "/" + cfg.Identity
+	rc.Wrap(func(rt http.RoundTripper) http.RoundTripper { return countingRT{rt: rt, n: &r.nodeWrites} })
+	cs, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	log := slog.New(slog.NewTextHandler(testWriter{e.t}, &slog.HandlerOptions{Level: slog.LevelInfo})).With("replica", cfg.Identity)
+	r.c, err = New(cs, cfg, log)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(e.ctx)
+	r.cancel = cancel
+	go func() { r.done <- r.c.Run(ctx) }()
+	e.t.Cleanup(func() { r.stop(e.t) })
+	return r
+}
+
+// stop cancels the replica's context and waits for Run to return.
+func (r *replica) stop(t *testing.T) {
+	if r.cancel == nil {
+		return
+	}
+	r.cancel()
+	r.cancel = nil
+	select {
+	case err := <-r.done:
+		if err != nil {
+			t.Errorf("replica %s: Run: %v", r.id, err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Errorf("replica %s: Run did not return 10s after its context ended", r.id)
+	}
+}
+
+func (r *replica) leading() bool { return testutil.ToFloat64(r.c.Metrics.Leader) == 1 }
+func (r *replica) changes(a Action) int {
+	return int(testutil.ToFloat64(r.c.Metrics.Changes.WithLabelValues(a.String())))
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimRight(string(p), "\n"))
+	return len(p), nil
+}
+
+func (e *env) createNode(name string, taints ...corev1.Taint) {
+	e.t.Helper()
+	n := &corev1.Node{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{testNodeLabel: e.label}},
+		Spec:       corev1.NodeSpec{Taints: taints},
+	}
+	if _, err := e.cs.CoreV1().Nodes().Create(e.ctx, n, metav1.CreateOptions{}); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+func (e *env) node(name string) *corev1.Node {
+	e.t.Helper()
+	n, err := e.cs.CoreV1().Nodes().Get(e.ctx, name, metav1.GetOptions{})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return n
+}
+
+// createAgent creates an agent pod bound to node, Ready or not (status set through
+// UpdateStatus, as the kubelet would).
+func (e *env) createAgent(name, node string, ready bool) {
+	e.t.Helper()
+	p := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: e.ns,
+			Labels: map[string]string{"app.kubernetes.io/name": "meshcni", "app.kubernetes.io/component": "agent"}},
+		Spec: corev1.PodSpec{NodeName: node, Containers: []corev1.Container{{Name: "agent", Image: "meshcni.local/agent:test"}}},
+	}
+	if _, err := e.cs.CoreV1().Pods(e.ns).Create(e.ctx, p, metav1.CreateOptions{}); err != nil {
+		e.t.Fatal(err)
+	}
+	e.setReady(name, ready)
+}
+
+func (e *env) setReady(name string, ready bool) {
+	e.t.Helper()
+	p, err := e.cs.CoreV1().Pods(e.ns).Get(e.ctx, name, metav1.GetOptions{})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	st := corev1.ConditionFalse
+	if ready {
+		st = corev1.ConditionTrue
+	}
+	now := metav1.Now()
+	p.Status.Phase = corev1.PodRunning
+	p.Status.Conditions = []corev1.PodCondition{
+		{Type: corev1.PodScheduled, Status: corev1.ConditionTrue, LastTransitionTime: now},
+		{Type: corev1.ContainersReady, Status: st, LastTransitionTime: now},
+		{Type: corev1.PodReady, Status: st, LastTransitionTime: now},
+	}
+	if _, err := e.cs.CoreV1().Pods(e.ns).UpdateStatus(e.ctx, p, metav1.UpdateOptions{}); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// deleteAgent deletes an agent pod: at once (force), or gracefully, which without a
+// kubelet leaves it Terminating (deletionTimestamp set) until a force delete.
+func (e *env) deleteAgent(name string, force bool) {
+	e.t.Helper()
+	opts := metav1.DeleteOptions{}
+	if force {
+		zero := int64(0)
+		opts.GracePeriodSeconds = &zero
+	}
+	if err := e.cs.CoreV1().Pods(e.ns).Delete(e.ctx, name, opts); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// waitTaint waits until the node's taint is as wanted and returns how long that took.
+func (e *env) waitTaint(name string, want bool, within time.Duration) time.Duration {
+	e.t.Helper()
+	began := time.Now()
+	for {
+		if HasTaint(e.node(name)) == want {
+			return time.Since(began)
+		}
+		if time.Since(began) > within {
+			e.t.Fatalf("node %s: taint present=%v not reached within %s (taints %v)", name, want, within, e.node(name).Spec.Taints)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// eventually polls cond every 20 ms for up to within.
+func (e *env) eventually(within time.Duration, what string, cond func() bool) time.Duration {
+	e.t.Helper()
+	began := time.Now()
+	for !cond() {
+		if time.Since(began) > within {
+			e.t.Fatalf("not within %s: %s", within, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return time.Since(began)
+}
+
+// events returns the count of Events with reason on the node (Events of nodes land in
+// the default namespace), summing aggregated counts.
+func (e *env) events(node, reason string) int {
+	e.t.Helper()
+	l, err := e.cs.CoreV1().Events("default").List(e.ctx, metav1.ListOptions{
+		FieldSelector: "involvedObject.kind=Node,involvedObject.name=" + node + ",reason=" + reason})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	n := 0
+	for _, ev := range l.Items {
+		if ev.Source.Component != Component {
+			continue
+		}
+		if ev.Count > 0 {
+			n += int(ev.Count)
+		} else {
+			n++
+		}
+	}
+	return n
+}
+
+// flip is a change of the taint's presence on a node, as a watch saw it.
+type flip struct {
+	at      time.Time
+	node    string
+	tainted bool
+}
+
+// taintLog records, from an independent watch of the test's nodes, every change of
+// the taint's presence (the first sight of a node is not a change).
+type taintLog struct {
+	mu    sync.Mutex
+	last  map[string]bool
+	flips []flip
+}
+
+func (e *env) watchTaints() *taintLog {
+	e.t.Helper()
+	l := &taintLog{last: map[string]bool{}}
+	f := informers.NewSharedInformerFactoryWithOptions(e.cs, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+		o.LabelSelector = testNodeLabel + "=" + e.label
+	}))
+	inf := f.Core().V1().Nodes().Informer()
+	see := func(obj any) {
+		n, ok := obj.(*corev1.Node)
+		if !ok {
+			return
+		}
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		tainted := HasTaint(n)
+		if was, seen := l.last[n.Name]; seen && was != tainted {
+			l.flips = append(l.flips, flip{at: time.Now(), node: n.Name, tainted: tainted})
+		}
+		l.last[n.Name] = tainted
+	}
+	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: see, UpdateFunc: func(_, n any) { see(n) }}); err != nil {
+		e.t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(e.ctx)
+	f.Start(ctx.Done())
+	e.t.Cleanup(func() { cancel(); f.Shutdown() })
+	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
+		e.t.Fatal("taint watch not synced")
+	}
+	return l
+}
+
+// of returns the flips of one node (all nodes: "").
+func (l *taintLog) of(node string) []flip {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []flip
+	for _, f := range l.flips {
+		if node == "" || f.node == node {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// TestTaintLifecycle: one controller (leader-elected on a real Lease) against nodes
+// and agent pods created through the API.
+func TestTaintLifecycle(t *testing.T) {
+	e := newEnv(t, "meshcni-taint-life", "life")
+	log := e.watchTaints()
+	cfg := e.config("solo")
+	grace := cfg.GracePeriod
+	r := e.start(cfg)
+	e.eventually(5*time.Second, "solo leads", r.leading)
+
+	t.Run("a new node gets the taint at once", func(t *testing.T) {
+		e.t = t
+		e.createNode("life-new")
+		took := e.waitTaint("life-new", true, grace)
+		t.Logf("new node tainted %s after creation", took.Round(time.Millisecond))
+		if took >= grace/2 {
+			t.Errorf("new node tainted after %s: want at once (new-node rule), not after the grace %s", took, grace)
+		}
+		e.eventually(5*time.Second, "TaintAdded event", func() bool { return e.events("life-new", ReasonTaintAdded) == 1 })
+	})
+
+	t.Run("the taint goes when the agent pod turns Ready", func(t *testing.T) {
+		e.t = t
+		e.createAgent("agent-life-new", "life-new", false)
+		// A not-Ready agent pod keeps the taint.
+		time.Sleep(300 * time.Millisecond)
+		if !HasTaint(e.node("life-new")) {
+			t.Fatal("taint removed while the agent pod is not Ready")
+		}
+		began := time.Now()
+		e.setReady("agent-life-new", true)
+		e.waitTaint("life-new", false, 5*time.Second)
+		t.Logf("taint removed %s after the agent pod turned Ready", time.Since(began).Round(time.Millisecond))
+		e.eventually(5*time.Second, "TaintRemoved event", func() bool { return e.events("life-new", ReasonTaintRemoved) == 1 })
+	})
+
+	t.Run("the taint comes back only after the grace period when the agent pod is deleted", func(t *testing.T) {
+		e.t = t
+		deleted := time.Now()
+		e.deleteAgent("agent-life-new", true)
+		// Still untainted just before the grace ends.
+		time.Sleep(grace - 400*time.Millisecond)
+		if HasTaint(e.node("life-new")) {
+			t.Fatalf("tainted %s after the agent pod was deleted, before the grace period %s", time.Since(deleted), grace)
+		}
+		e.waitTaint("life-new", true, 3*time.Second)
+		fs := log.of("life-new")
+		last := fs[len(fs)-1]
+		after := last.at.Sub(deleted)
+		t.Logf("tainted %s after the agent pod was deleted (grace %s)", after.Round(time.Millisecond), grace)
+		if !last.tainted || after < grace || after > grace+time.Second {
+			t.Errorf("taint back after %s, want within [%s, %s]", after, grace, grace+time.Second)
+		}
+		// Agent lost while still Ready-looking (Terminating) counts as not Ready too:
+		// back to Ready, then graceful delete.
+		e.createAgent("agent-life-new-2", "life-new", true)
+		e.waitTaint("life-new", false, 5*time.Second)
+		e.deleteAgent("agent-life-new-2", false)
+		e.waitTaint("life-new", true, grace+2*time.Second)
+		e.deleteAgent("agent-life-new-2", true)
+	})
+
+	t.Run("a node that starts tainted keeps its other taints", func(t *testing.T) {
+		e.t = t
+		cloud := corev1.Taint{Key: "node.cloudprovider.kubernetes.io/uninitialized", Value: "true", Effect: corev1.TaintEffectNoSchedule}
+		ourKeyExec := corev1.Taint{Key: TaintKey, Effect: corev1.TaintEffectNoExecute} // same key, other effect: not ours
+		custom := corev1.Taint{Key: "example.com/maintenance", Value: "x", Effect: corev1.TaintEffectPreferNoSchedule}
+		e.createNode("life-startup", cloud, Taint(), ourKeyExec, custom)
+		// The API server's TaintNodesByCondition admission adds node.kubernetes.io/not-ready
+		// to every new node: one more taint that must stay.
+		e.createAgent("agent-life-startup", "life-startup", false)
+		time.Sleep(300 * time.Millisecond)
+		if got := e.node("life-startup").Spec.Taints; !reflect.DeepEqual(got, []corev1.Taint{cloud, Taint(), ourKeyExec, custom, nodeNotReady}) {
+			t.Fatalf("taints changed while the agent is not Ready: %v", got)
+		}
+		e.setReady("agent-life-startup", true)
+		e.waitTaint("life-startup", false, 5*time.Second)
+		if got := e.node("life-startup").Spec.Taints; !reflect.DeepEqual(got, []corev1.Taint{cloud, ourKeyExec, custom, nodeNotReady}) {
+			t.Fatalf("taints after removal %v, want the others intact and in order", got)
+		}
+	})
+
+	t.Run("a rolled-over agent never taints its node", func(t *testing.T) {
+		e.t = t
+		e.createNode("life-roll")
+		e.waitTaint("life-roll", true, grace)
+		e.createAgent("agent-roll-old", "life-roll", true)
+		e.waitTaint("life-roll", false, 5*time.Second)
+		before := len(log.of("life-roll"))
+		// DaemonSet rolling update: the old pod terminates, the new one is created and
+		// becomes Ready within the grace period, then the old one is gone.
+		e.deleteAgent("agent-roll-old", false)
+		time.Sleep(300 * time.Millisecond)
+		e.createAgent("agent-roll-new", "life-roll", false)
+		time.Sleep(700 * time.Millisecond)
+		e.setReady("agent-roll-new", true)
+		e.deleteAgent("agent-roll-old", true)
+		// And a second kind of roll: the pod deleted at once, its successor Ready 1.5 s later.
+		time.Sleep(200 * time.Millisecond)
+		e.deleteAgent("agent-roll-new", true)
+		time.Sleep(grace * 3 / 4)
+		e.createAgent("agent-roll-newer", "life-roll", true)
+		time.Sleep(grace + 500*time.Millisecond) // well past the grace of either loss
+		if fs := log.of("life-roll")[before:]; len(fs) > 0 {
+			t.Fatalf("the node's taint changed during the rollovers: %+v", fs)
+		}
+		if HasTaint(e.node("life-roll")) {
+			t.Fatal("tainted after the rollovers")
+		}
+	})
+
+	t.Run("a stale base never drops a taint written meanwhile", func(t *testing.T) {
+		e.t = t
+		stale := e.node("life-roll")
+		fresh := stale.DeepCopy()
+		other := corev1.Taint{Key: "example.com/added-meanwhile", Effect: corev1.TaintEffectNoSchedule}
+		fresh.Spec.Taints = append(fresh.Spec.Taints, other)
+		if _, err := e.cs.CoreV1().Nodes().Update(e.ctx, fresh, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		// Straight through setTaint with the stale copy: the first patch conflicts, the
+		// retry reads the node again.
+		changed, err := setTaint(e.ctx, e.cs, stale, true)
+		if err != nil || !changed {
+			t.Fatalf("setTaint: changed %v, %v", changed, err)
+		}
+		if got := e.node("life-roll").Spec.Taints; !reflect.DeepEqual(got, []corev1.Taint{nodeNotReady, other, Taint()}) {
+			t.Fatalf("taints %v, want the one added meanwhile kept", got)
+		}
+		// The controller takes its taint off again (agent Ready); the other stays.
+		e.waitTaint("life-roll", false, 5*time.Second)
+		if got := e.node("life-roll").Spec.Taints; !reflect.DeepEqual(got, []corev1.Taint{nodeNotReady, other}) {
+			t.Fatalf("taints %v, want only the other", got)
+		}
+	})
+
+	t.Run("metrics and health", func(t *testing.T) {
+		e.t = t
+		srv := httptest.NewServer(r.c.Handler())
+		defer srv.Close()
+		for _, p := range []string{"/healthz", "/readyz"} {
+			if code, body := get(t, srv.URL+p); code != http.StatusOK {
+				t.Errorf("%s: %d %s", p, code, body)
+			}
+		}
+		_, body := get(t, srv.URL+"/metrics")
+		// life-new is tainted (its agent was deleted), life-startup and life-roll are not.
+		adds, removes := 0, 0
+		for _, f := range log.of("") {
+			if f.tainted {
+				adds++
+			} else {
+				removes++
+			}
+		}
+		// The stale-base subtest's direct setTaint is one add the controller did not make.
+		adds--
+		for _, want := range []string{
+			"meshcni_taint_nodes_tainted 1\n",
+			"meshcni_taint_leader 1\n",
+			fmt.Sprintf("meshcni_taint_changes_total{action=\"add\"} %d\n", adds),
+			fmt.Sprintf("meshcni_taint_changes_total{action=\"remove\"} %d\n", removes),
+		} {
+			if !strings.Contains(body, want) {
+				t.Errorf("/metrics lacks %q", want)
+			}
+		}
+		if int(r.nodeWrites.Load()) != adds+removes {
+			t.Errorf("node writes %d, want exactly one per change (%d)", r.nodeWrites.Load(), adds+removes)
+		}
+	})
+}
+
+func get(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, string(b)
+}
