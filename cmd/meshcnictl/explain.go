@@ -13,7 +13,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/yaml"
 
-	"github.com/meshcni/meshcni/pkg/plugin"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/spec"
@@ -38,7 +37,8 @@ func newExplainCmd() *cobra.Command {
 		Short: "Say whether the CNI plugin redirects a pod, why, and with which rules",
 		Long: `explain runs the plugin's decision (podspec.Decide) and spec derivation
 (podspec.Build) on a pod, read from a file (-f, YAML or JSON, "-" for stdin) or GET
-from the API server (--kubeconfig, -n NAMESPACE POD), and prints the decision, its
+from the API server (-n NAMESPACE POD or NAMESPACE/POD; --kubeconfig, default
+$KUBECONFIG, then the in-cluster service account), and prints the decision, its
 reason, the spec and the rules (iptables-restore form) the plugin would write.
 
 IP families: from --pod-ip (as the plugin takes them from the CNI prevResult), else
@@ -56,12 +56,8 @@ the pod's status.podIPs, else IPv4 (plus IPv6 with ISTIO_DUAL_STACK on istio-pro
 	}
 	fl := cmd.Flags()
 	fl.StringVarP(&f.file, "file", "f", "", "pod manifest (YAML or JSON); - for stdin")
-	fl.StringVar(&f.kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig to GET the pod with (token or client certificate)")
-	fl.StringVarP(&f.namespace, "namespace", "n", "default", "namespace of POD")
-	fl.StringSliceVar(&f.excludeNamespaces, "exclude-namespaces", nil, "the plugin's exclude_namespaces")
-	fl.StringVar(&f.agentLabel, "agent-pod-label", podspec.DefaultAgentLabel, "the plugin's agent_pod_label")
+	f.registerPodFlags(fl) // shared with inspect
 	fl.StringSliceVar(&f.podIPs, "pod-ip", nil, "the pod's addresses (IP families of the rules)")
-	fl.DurationVar(&f.timeout, "timeout", 20*time.Second, "give up after this long")
 	return cmd
 }
 
@@ -89,38 +85,52 @@ func (f *explainFlags) pod(ctx context.Context, args []string) (*corev1.Pod, err
 		}
 		return &pod, nil
 	case len(args) == 1:
-		if f.kubeconfig == "" {
-			return nil, fmt.Errorf("--kubeconfig (or KUBECONFIG) is needed to GET pod %s/%s", f.namespace, args[0])
-		}
-		cfg, err := plugin.LoadKubeconfig(f.kubeconfig)
+		ns, name, err := podRef(args[0], f.namespace)
 		if err != nil {
 			return nil, err
 		}
-		return plugin.NewPodClient(cfg).GetPod(ctx, f.namespace, args[0])
+		return getPod(ctx, f.kubeconfig, ns, name)
 	}
 	return nil, fmt.Errorf("give a pod: -f FILE or -n NAMESPACE POD")
 }
 
 func explain(out io.Writer, pod *corev1.Pod, f *explainFlags) error {
+	p, err := f.plan(pod)
+	if err != nil {
+		return err
+	}
+	printPlan(out, pod, p)
+	if p.Spec != nil {
+		printRules(out, rules.Build(p.Spec))
+	}
+	return nil
+}
+
+// podPlan is what the plugin does for a pod: its decision and, when it redirects the
+// pod, the spec (IP families set) and the findings met deriving it.
+type podPlan struct {
+	Decision podspec.Decision
+	Warnings []string
+	Spec     *spec.Spec // nil when not redirected
+}
+
+// plan runs the plugin's decision (podspec.Decide) and spec derivation
+// (podspec.Build, podspec.WithFamilies) on the pod. IP families come from --pod-ip,
+// else the pod's status.podIPs.
+func (f *explainFlags) plan(pod *corev1.Pod) (podPlan, error) {
 	label, err := podspec.ParseLabel(f.agentLabel)
 	if err != nil {
-		return fmt.Errorf("--agent-pod-label: %w", err)
+		return podPlan{}, fmt.Errorf("--agent-pod-label: %w", err)
 	}
-	d := podspec.Decide(pod, podspec.Config{ExcludeNamespaces: f.excludeNamespaces, AgentLabel: label})
-	fmt.Fprintf(out, "pod:      %s/%s\n", pod.Namespace, pod.Name)
-	if !d.Meshed {
-		fmt.Fprintf(out, "decision: not redirected\nreason:   %s\n", d.Reason)
-		return nil
+	p := podPlan{Decision: podspec.Decide(pod, podspec.Config{ExcludeNamespaces: f.excludeNamespaces, AgentLabel: label})}
+	if !p.Decision.Meshed {
+		return p, nil
 	}
-	fmt.Fprintf(out, "decision: redirected\nreason:   %s\n", d.Reason)
 	res, err := podspec.Build(pod)
 	if err != nil {
-		return fmt.Errorf("the plugin would fail ADD (no rule applied): %w", err)
+		return p, fmt.Errorf("the plugin would fail ADD (no rule applied): %w", err)
 	}
-	for _, w := range res.Warnings {
-		fmt.Fprintf(out, "warning:  %s\n", w)
-	}
-	s := res.Spec
+	p.Warnings = res.Warnings
 	var addrs []netip.Addr
 	ips := f.podIPs
 	if len(ips) == 0 {
@@ -131,14 +141,29 @@ func explain(out io.Writer, pod *corev1.Pod, f *explainFlags) error {
 	for _, ip := range ips {
 		a, err := netip.ParseAddr(strings.TrimSpace(ip))
 		if err != nil {
-			return fmt.Errorf("--pod-ip %q: not an IP address", ip)
+			return p, fmt.Errorf("--pod-ip %q: not an IP address", ip)
 		}
 		addrs = append(addrs, a)
 	}
-	podspec.WithFamilies(s, addrs)
-	printSpec(out, s)
-	printRules(out, rules.Build(s))
-	return nil
+	podspec.WithFamilies(res.Spec, addrs)
+	p.Spec = res.Spec
+	return p, nil
+}
+
+// printPlan writes the pod, the decision, its reason and (when redirected) the spec.
+func printPlan(out io.Writer, pod *corev1.Pod, p podPlan) {
+	fmt.Fprintf(out, "pod:      %s/%s\n", pod.Namespace, pod.Name)
+	if !p.Decision.Meshed {
+		fmt.Fprintf(out, "decision: not redirected\nreason:   %s\n", p.Decision.Reason)
+		return
+	}
+	fmt.Fprintf(out, "decision: redirected\nreason:   %s\n", p.Decision.Reason)
+	for _, w := range p.Warnings {
+		fmt.Fprintf(out, "warning:  %s\n", w)
+	}
+	if p.Spec != nil {
+		printSpec(out, p.Spec)
+	}
 }
 
 func printSpec(out io.Writer, s *spec.Spec) {

@@ -61,3 +61,52 @@ func TestExplain(t *testing.T) {
 		t.Fatalf("bad annotation: %v", err)
 	}
 }
+
+func TestExplainArgs(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"explain"}, "give a pod"},
+		{[]string{"explain", "-f", "x.yaml", "web"}, "either -f or a pod name"},
+		{[]string{"explain", "--kubeconfig", "/nonexistent/kubeconfig", "app/Web"}, `pod name "Web"`},
+		{[]string{"explain", "--kubeconfig", "/nonexistent/kubeconfig", "app/web"}, "kubeconfig /nonexistent/kubeconfig"},
+	} {
+		_, _, err := ctl(t, tc.args...)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%v: err %v, want %q", tc.args, err, tc.want)
+		}
+	}
+}
+
+// testExplainAPI runs explain against the API server for the pods of
+// TestInspectExplainTestbed (meshed, plain, broken) in namespace ns.
+func testExplainAPI(t *testing.T, kubeconfig, ns string) {
+	for _, tc := range []struct {
+		pod  string
+		args []string
+		want []string
+	}{
+		{"meshed", []string{ns + "/meshed"}, []string{"pod:      " + ns + "/meshed", "decision: redirected", "exclude 5432", "ipv4 true, ipv6 false", "-A ISTIO_OUTPUT -d 10.214.0.0/16 -j RETURN", "-A ISTIO_INBOUND"}},
+		{"plain", []string{"-n", ns, "plain"}, []string{"decision: not redirected", "reason:   no istio-proxy container"}},
+		// explain says what the annotations ask for; the broken pod's live rules do
+		// not change that (inspect shows the drift).
+		{"broken", []string{ns + "/broken"}, []string{"decision: redirected", "-A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN"}},
+		{"excluded namespace", []string{"--exclude-namespaces", ns, ns + "/meshed"}, []string{"decision: not redirected", "namespace " + ns + " is excluded"}},
+	} {
+		t.Run("explain "+tc.pod, func(t *testing.T) {
+			out, code, err := ctl(t, append([]string{"explain", "--kubeconfig", kubeconfig}, tc.args...)...)
+			if code != 0 || err != nil {
+				t.Fatalf("exit %d, %v:\n%s", code, err, out)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(out, w) {
+					t.Errorf("output lacks %q:\n%s", w, out)
+				}
+			}
+			if strings.Contains(out, "# ip6tables-restore") {
+				t.Errorf("IPv4-only pod, IPv6 rules:\n%s", out)
+			}
+		})
+	}
+}

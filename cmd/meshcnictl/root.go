@@ -23,7 +23,7 @@ var subcommands []func() *cobra.Command
 func newRoot() *cobra.Command {
 	root := &cobra.Command{
 		Use:           "meshcnictl",
-		Short:         "Render, apply, check and clean meshcni's sidecar redirect rules; validate and explain pods",
+		Short:         "Render, apply, check and clean meshcni's sidecar redirect rules; validate, explain and inspect pods",
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}

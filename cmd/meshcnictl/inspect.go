@@ -1,0 +1,413 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"os"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/podnetns"
+	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/spec"
+)
+
+func init() { subcommands = append(subcommands, newInspectCmd) }
+
+// Exit codes of inspect.
+const (
+	exitDrift = 1 // live rules differ from the desired ones, or rules on an un-meshed pod
+	exitUsage = 2 // bad flags or arguments, pod or netns not found, API or netlink failure
+)
+
+// Results of inspect (the "status" field of -o json).
+const (
+	statusInSync          = "in-sync"          // meshed, live rules equal the desired ones
+	statusDrift           = "drift"            // meshed, live rules differ
+	statusNotMeshed       = "not-meshed"       // not meshed and no meshcni rule
+	statusUnexpectedRules = "unexpected-rules" // not meshed but meshcni rules are present
+	statusLiveOnly        = "live-only"        // a netns without a pod: nothing to compare with
+)
+
+type inspectFlags struct {
+	explainFlags // kubeconfig, namespace, exclude-namespaces, agent-pod-label, timeout
+	netns        string
+	netnsDirs    []string
+	nodeName     string
+	backend      string
+	output       string
+}
+
+func newInspectCmd() *cobra.Command {
+	f := &inspectFlags{}
+	cmd := &cobra.Command{
+		Use:   "inspect POD|NETNS",
+		Short: "Show a pod's live meshcni rules on this node and their drift from what its annotations ask for",
+		Long: `inspect reads the live meshcni rules in a pod's network namespace on this node,
+whichever backend holds them (nftables, iptables-nft, iptables-legacy), and compares
+them with the rules the CNI plugin derives from the pod (as explain shows them).
+
+POD is [NAMESPACE/]NAME (or -n NAMESPACE NAME), read from the API server
+(--kubeconfig, default $KUBECONFIG, then the in-cluster service account). Its
+network namespace is found on this node from the pod's IPs: in the --netns-dir
+directories first, then in /proc; --netns PATH skips the search.
+
+NETNS is a path to a network namespace file (absolute, or starting with ./ or ../),
+e.g. /var/run/netns/cni-1234 or /proc/PID/ns/net: its live rules are printed, with
+nothing to compare them with.
+
+Exit status: 0 when the rules are as desired (a meshed pod in sync, an un-meshed pod
+without meshcni rules, or a NETNS given alone); 1 on drift or meshcni rules on a pod
+that is not meshed; 2 on usage errors and when the pod or its netns cannot be found.`,
+		Args: func(cmd *cobra.Command, args []string) error {
+			if err := cobra.MaximumNArgs(1)(cmd, args); err != nil {
+				return &exitError{code: exitUsage, err: err}
+			}
+			return nil
+		},
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx, cancel := context.WithTimeout(cmd.Context(), f.timeout)
+			defer cancel()
+			return runInspect(ctx, cmd.OutOrStdout(), f, args)
+		},
+	}
+	cmd.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return &exitError{code: exitUsage, err: err} })
+	fl := cmd.Flags()
+	f.explainFlags.registerPodFlags(fl)
+	fl.StringVar(&f.netns, "netns", "", "network namespace path of the pod (skips the search)")
+	fl.StringArrayVar(&f.netnsDirs, "netns-dir", podnetns.DefaultNetnsDirs, "directory of the runtime's bind-mounted netns files to search (repeatable; replaces the defaults)")
+	fl.StringVar(&f.nodeName, "node-name", defaultNodeName(), "this node's name, to tell when the pod runs elsewhere (default $NODE_NAME, else the host name)")
+	fl.StringVar(&f.backend, "backend", "auto", "backend whose rules to read: auto (whichever holds rules), nftables, iptables-nft or iptables-legacy")
+	fl.StringVarP(&f.output, "output", "o", "text", "text or json")
+	return cmd
+}
+
+// registerPodFlags registers the flags inspect shares with explain.
+func (f *explainFlags) registerPodFlags(fl *pflag.FlagSet) {
+	fl.StringVar(&f.kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig to GET the pod with (default $KUBECONFIG, else the in-cluster service account)")
+	fl.StringVarP(&f.namespace, "namespace", "n", "default", "namespace of POD")
+	fl.StringSliceVar(&f.excludeNamespaces, "exclude-namespaces", nil, "the plugin's exclude_namespaces")
+	fl.StringVar(&f.agentLabel, "agent-pod-label", podspec.DefaultAgentLabel, "the plugin's agent_pod_label")
+	fl.DurationVar(&f.timeout, "timeout", 20*time.Second, "give up after this long")
+}
+
+func defaultNodeName() string {
+	if n := os.Getenv("NODE_NAME"); n != "" {
+		return n
+	}
+	h, _ := os.Hostname()
+	return strings.ToLower(h)
+}
+
+// inspectReport is inspect's result; -o json prints it as is.
+type inspectReport struct {
+	Pod      string                  `json:"pod,omitempty"` // namespace/name
+	Node     string                  `json:"node,omitempty"`
+	Meshed   *bool                   `json:"meshed,omitempty"`
+	Reason   string                  `json:"reason,omitempty"`
+	Warnings []string                `json:"warnings,omitempty"`
+	Spec     *spec.Spec              `json:"spec,omitempty"`
+	Netns    string                  `json:"netns"`
+	Live     map[backend.Kind]string `json:"live"` // backend → its live meshcni rules
+	Drift    *backend.Drift          `json:"drift,omitempty"`
+	Status   string                  `json:"status"`
+	Problems []string                `json:"problems,omitempty"`
+
+	plan *podPlan
+	pod  *corev1.Pod
+}
+
+func usageErr(format string, args ...any) error {
+	return &exitError{code: exitUsage, err: fmt.Errorf(format, args...)}
+}
+
+func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []string) error {
+	if f.output != "text" && f.output != "json" {
+		return usageErr("-o %q: want text or json", f.output)
+	}
+	kind, err := backend.ParseKind(f.backend)
+	if err != nil {
+		return usageErr("--backend: %w", err)
+	}
+	var ref string
+	if len(args) == 1 {
+		if isPath(args[0]) {
+			if f.netns != "" {
+				return usageErr("give the netns either as the argument or with --netns, not both")
+			}
+			f.netns = args[0]
+		} else {
+			ref = args[0]
+		}
+	}
+	if ref == "" && f.netns == "" {
+		return usageErr("give a pod ([NAMESPACE/]NAME) or a network namespace path")
+	}
+	if f.netns != "" {
+		if err := checkNetnsPath(f.netns); err != nil {
+			return &exitError{code: exitUsage, err: err}
+		}
+	}
+
+	r := &inspectReport{Netns: f.netns}
+	if ref != "" {
+		ns, name, err := podRef(ref, f.namespace)
+		if err != nil {
+			return &exitError{code: exitUsage, err: err}
+		}
+		pod, err := getPod(ctx, f.kubeconfig, ns, name)
+		if err != nil {
+			return &exitError{code: exitUsage, err: err}
+		}
+		p, err := f.plan(pod)
+		if err != nil {
+			return &exitError{code: exitUsage, err: fmt.Errorf("pod %s/%s: %w", ns, name, err)}
+		}
+		meshed := p.Decision.Meshed
+		r.pod, r.plan = pod, &p
+		r.Pod, r.Node, r.Meshed, r.Reason, r.Warnings, r.Spec = ns+"/"+name, pod.Spec.NodeName, &meshed, p.Decision.Reason, p.Warnings, p.Spec
+		if r.Netns == "" {
+			if r.Netns, err = f.findNetns(ctx, pod); err != nil {
+				return &exitError{code: exitUsage, err: err}
+			}
+		}
+	}
+
+	o := engine.Options{Backend: kind, NetnsPath: r.Netns}
+	live, err := engine.Live(ctx, o)
+	if err != nil {
+		return &exitError{code: exitUsage, err: fmt.Errorf("read the live rules in %s: %w", r.Netns, err)}
+	}
+	r.Live = map[backend.Kind]string{}
+	for k, txt := range live {
+		if strings.TrimSpace(txt) != "" {
+			r.Live[k] = txt
+		}
+	}
+	holders := sortedKinds(r.Live)
+	switch {
+	case r.plan == nil:
+		r.Status = statusLiveOnly
+	case r.Spec == nil: // not meshed
+		r.Status = statusNotMeshed
+		if len(holders) > 0 {
+			r.Status = statusUnexpectedRules
+			r.Problems = append(r.Problems, fmt.Sprintf("the pod is not meshed but %s holds meshcni rules", joinKinds(holders)))
+		}
+	default:
+		d, err := engine.Check(ctx, o, r.Spec)
+		if err != nil {
+			return &exitError{code: exitUsage, err: fmt.Errorf("check the rules in %s: %w", r.Netns, err)}
+		}
+		r.Drift = &d
+		r.Status = statusInSync
+		if !d.Empty() {
+			r.Status = statusDrift
+			r.Problems = append(r.Problems, fmt.Sprintf("%d missing, %d unexpected rule(s)", len(d.Missing), len(d.Unexpected)))
+		}
+		if len(holders) > 1 && kind == backend.Auto {
+			r.Status = statusDrift
+			r.Problems = append(r.Problems, fmt.Sprintf("meshcni rules in several backends (%s); compared with %s only", joinKinds(holders), holders[0]))
+		}
+	}
+
+	if f.output == "json" {
+		enc := json.NewEncoder(out)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(r); err != nil {
+			return err
+		}
+	} else {
+		printInspect(out, r)
+	}
+	switch r.Status {
+	case statusDrift:
+		return &exitError{code: exitDrift, err: fmt.Errorf("%s: live rules drift from the desired ones: %s", r.subject(), strings.Join(r.Problems, "; "))}
+	case statusUnexpectedRules:
+		return &exitError{code: exitDrift, err: fmt.Errorf("%s: %s", r.subject(), strings.Join(r.Problems, "; "))}
+	}
+	return nil
+}
+
+func (r *inspectReport) subject() string {
+	if r.Pod != "" {
+		return "pod " + r.Pod
+	}
+	return "netns " + r.Netns
+}
+
+func printInspect(out io.Writer, r *inspectReport) {
+	if r.plan != nil {
+		printPlan(out, r.pod, *r.plan)
+		fmt.Fprintf(out, "node:     %s\n", r.Node)
+	}
+	fmt.Fprintf(out, "netns:    %s\n", r.Netns)
+	holders := sortedKinds(r.Live)
+	if len(holders) == 0 {
+		fmt.Fprintln(out, "live:     no meshcni rules")
+	}
+	for _, k := range holders {
+		fmt.Fprintf(out, "live:     %s\n", k)
+		for _, line := range strings.Split(strings.TrimRight(r.Live[k], "\n"), "\n") {
+			fmt.Fprintf(out, "  %s\n", line)
+		}
+	}
+	if r.Drift != nil {
+		if r.Drift.Empty() {
+			fmt.Fprintln(out, "drift:    none")
+		} else {
+			fmt.Fprintln(out, "drift:")
+			for _, line := range strings.Split(r.Drift.String(), "\n") {
+				fmt.Fprintf(out, "  %s\n", line)
+			}
+		}
+	}
+	msg := map[string]string{
+		statusInSync:          "in sync: the live rules are the ones the pod's annotations ask for",
+		statusDrift:           "DRIFT: " + strings.Join(r.Problems, "; "),
+		statusNotMeshed:       "not meshed, and no meshcni rule in its netns",
+		statusUnexpectedRules: "UNEXPECTED RULES: " + strings.Join(r.Problems, "; "),
+		statusLiveOnly:        "live rules only (no pod given: nothing to compare with)",
+	}[r.Status]
+	fmt.Fprintf(out, "result:   %s\n", msg)
+}
+
+func sortedKinds(m map[backend.Kind]string) []backend.Kind {
+	ks := make([]backend.Kind, 0, len(m))
+	for k := range m {
+		ks = append(ks, k)
+	}
+	// Select's preference order: nftables, iptables-nft, iptables-legacy.
+	rank := map[backend.Kind]int{backend.Nftables: 0, backend.IptablesNft: 1, backend.IptablesLegacy: 2}
+	sort.Slice(ks, func(i, j int) bool { return rank[ks[i]] < rank[ks[j]] })
+	return ks
+}
+
+func joinKinds(ks []backend.Kind) string {
+	s := make([]string, len(ks))
+	for i, k := range ks {
+		s[i] = string(k)
+	}
+	return strings.Join(s, ", ")
+}
+
+// isPath tells a netns path argument from a pod reference: a pod name never starts
+// with / or a dot.
+func isPath(arg string) bool {
+	return strings.HasPrefix(arg, "/") || strings.HasPrefix(arg, "./") || strings.HasPrefix(arg, "../")
+}
+
+func checkNetnsPath(p string) error {
+	if _, err := os.Stat(p); err != nil {
+		return fmt.Errorf("netns %s: %w", p, err)
+	}
+	return nil
+}
+
+// findNetns finds the pod's netns on this node, or says why not (another node, no IP
+// yet, the host network).
+func (f *inspectFlags) findNetns(ctx context.Context, pod *corev1.Pod) (string, error) {
+	finder := &podnetns.Finder{NetnsDirs: f.netnsDirs}
+	p, err := finder.FindPod(ctx, pod)
+	if err == nil {
+		return p, nil
+	}
+	id := pod.Namespace + "/" + pod.Name
+	switch {
+	case errors.Is(err, podnetns.ErrHostNetwork):
+		return "", fmt.Errorf("pod %s uses the host network: no netns of its own, meshcni does not redirect it", id)
+	case pod.Spec.NodeName == "" && (errors.Is(err, podnetns.ErrNoPodIP) || errors.Is(err, podnetns.ErrNotFound)):
+		return "", fmt.Errorf("pod %s is not scheduled to a node yet", id)
+	case pod.Spec.NodeName != f.nodeName && (errors.Is(err, podnetns.ErrNoPodIP) || errors.Is(err, podnetns.ErrNotFound)):
+		return "", fmt.Errorf("pod %s runs on node %s, this is node %s (--node-name): run inspect on %s", id, pod.Spec.NodeName, f.nodeName, pod.Spec.NodeName)
+	case errors.Is(err, podnetns.ErrNotFound):
+		return "", fmt.Errorf("%w (give the runtime's netns directory with --netns-dir, or --netns)", err)
+	}
+	return "", err
+}
+
+// podRef parses [NAMESPACE/]NAME; the namespace defaults to ns (-n).
+func podRef(ref, ns string) (string, string, error) {
+	name := ref
+	if a, b, ok := strings.Cut(ref, "/"); ok {
+		ns, name = a, b
+	}
+	for _, v := range []struct{ what, val string }{{"namespace", ns}, {"pod name", name}} {
+		if errs := validation.IsDNS1123Subdomain(v.val); len(errs) > 0 {
+			return "", "", fmt.Errorf("%s %q in %q: %s", v.what, v.val, ref, strings.Join(errs, "; "))
+		}
+	}
+	return ns, name, nil
+}
+
+// getPod GETs the pod with the kubeconfig (any kubectl credential), or with none
+// given, the in-cluster service account. A missing pod fails at once.
+func getPod(ctx context.Context, kubeconfig, ns, name string) (*corev1.Pod, error) {
+	var cfg *rest.Config
+	var err error
+	if kubeconfig != "" {
+		if cfg, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {
+			return nil, fmt.Errorf("kubeconfig %s: %w", kubeconfig, err)
+		}
+	} else if cfg, err = rest.InClusterConfig(); err != nil {
+		return nil, fmt.Errorf("give --kubeconfig (or KUBECONFIG) to GET pod %s/%s: no in-cluster service account (%w)", ns, name, err)
+	}
+	// A plain GET through client-go's authenticated transport (certificates, tokens,
+	// exec plugins): the typed clientsets would double the binary's size.
+	hc, err := rest.HTTPClientFor(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("API client: %w", err)
+	}
+	base, err := url.Parse(cfg.Host)
+	if err != nil || base.Host == "" {
+		return nil, fmt.Errorf("API server address %q: not a URL", cfg.Host)
+	}
+	if base.Scheme == "" {
+		base.Scheme = "https"
+	}
+	u := base.JoinPath(cfg.APIPath, "api/v1/namespaces", ns, "pods", name)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Accept", "application/json")
+	req.Header.Set("User-Agent", "meshcnictl")
+	resp, err := hc.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("get pod %s/%s: %w", ns, name, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
+	if err != nil {
+		return nil, fmt.Errorf("get pod %s/%s: read the answer: %w", ns, name, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		var st metav1.Status
+		msg := strings.TrimSpace(string(body))
+		if json.Unmarshal(body, &st) == nil && st.Message != "" {
+			msg = st.Message
+		}
+		return nil, fmt.Errorf("get pod %s/%s from %s: %s: %s", ns, name, base.Host, resp.Status, msg)
+	}
+	var pod corev1.Pod
+	if err := json.Unmarshal(body, &pod); err != nil {
+		return nil, fmt.Errorf("get pod %s/%s: parse the answer: %w", ns, name, err)
+	}
+	return &pod, nil
+}
