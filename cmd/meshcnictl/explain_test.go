@@ -99,6 +99,7 @@ func testExplainAPI(t *testing.T, kubeconfig, ns string) {
 			if code != 0 || err != nil {
 				t.Fatalf("exit %d, %v:\n%s", code, err, out)
 			}
+			t.Logf("meshcnictl explain %s:\n%s", strings.Join(tc.args, " "), out)
 			for _, w := range tc.want {
 				if !strings.Contains(out, w) {
 					t.Errorf("output lacks %q:\n%s", w, out)

@@ -122,15 +122,22 @@ type inspectReport struct {
 	Meshed   *bool                   `json:"meshed,omitempty"`
 	Reason   string                  `json:"reason,omitempty"`
 	Warnings []string                `json:"warnings,omitempty"`
-	Spec     *spec.Spec              `json:"spec,omitempty"`
+	Spec     *spec.Spec              `json:"spec,omitempty"` // pkg/spec's field names
 	Netns    string                  `json:"netns"`
 	Live     map[backend.Kind]string `json:"live"` // backend → its live meshcni rules
-	Drift    *backend.Drift          `json:"drift,omitempty"`
+	Drift    *driftReport            `json:"drift,omitempty"` // meshed pods only
 	Status   string                  `json:"status"`
 	Problems []string                `json:"problems,omitempty"`
 
 	plan *podPlan
 	pod  *corev1.Pod
+}
+
+// driftReport is backend.Drift for -o json: rules in the backend's text form, each
+// naming its table and chain.
+type driftReport struct {
+	Missing    []string `json:"missing"`
+	Unexpected []string `json:"unexpected"`
 }
 
 func usageErr(format string, args ...any) error {
@@ -215,7 +222,7 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 		if err != nil {
 			return &exitError{code: exitUsage, err: fmt.Errorf("check the rules in %s: %w", r.Netns, err)}
 		}
-		r.Drift = &d
+		r.Drift = &driftReport{Missing: append([]string{}, d.Missing...), Unexpected: append([]string{}, d.Unexpected...)}
 		r.Status = statusInSync
 		if !d.Empty() {
 			r.Status = statusDrift
@@ -269,11 +276,12 @@ func printInspect(out io.Writer, r *inspectReport) {
 		}
 	}
 	if r.Drift != nil {
-		if r.Drift.Empty() {
+		d := backend.Drift{Missing: r.Drift.Missing, Unexpected: r.Drift.Unexpected}
+		if d.Empty() {
 			fmt.Fprintln(out, "drift:    none")
 		} else {
 			fmt.Fprintln(out, "drift:")
-			for _, line := range strings.Split(r.Drift.String(), "\n") {
+			for _, line := range strings.Split(d.String(), "\n") {
 				fmt.Fprintf(out, "  %s\n", line)
 			}
 		}

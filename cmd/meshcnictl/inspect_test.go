@@ -348,14 +348,13 @@ func TestInspectExplainTestbed(t *testing.T) {
 					t.Errorf("output lacks %q:\n%s", w, text)
 				}
 			}
-			if tc.pod == "meshed" && tc.extra == nil {
-				t.Logf("inspect %s:\n%s", ref, out)
-			}
+			t.Logf("meshcnictl %s %s (exit %d):\n%s", strings.Join(args, " "), ref, code, text)
 		})
 	}
 
 	t.Run("json drift", func(t *testing.T) {
 		out, code, _ := ctl(t, append(append([]string{"inspect"}, common...), "-o", "json", inspectNS+"/broken")...)
+		t.Logf("inspect -o json %s/broken (exit %d):\n%s", inspectNS, code, out)
 		var r inspectReport
 		if err := json.Unmarshal([]byte(out), &r); err != nil {
 			t.Fatalf("json: %v\n%s", err, out)
