@@ -124,7 +124,7 @@ type inspectReport struct {
 	Warnings []string                `json:"warnings,omitempty"`
 	Spec     *spec.Spec              `json:"spec,omitempty"` // pkg/spec's field names
 	Netns    string                  `json:"netns"`
-	Live     map[backend.Kind]string `json:"live"` // backend → its live meshcni rules
+	Live     map[backend.Kind]string `json:"live"`            // backend → its live meshcni rules
 	Drift    *driftReport            `json:"drift,omitempty"` // meshed pods only
 	Status   string                  `json:"status"`
 	Problems []string                `json:"problems,omitempty"`
