@@ -92,7 +92,7 @@ that is not meshed; 2 on usage errors and when the pod or its netns cannot be fo
 	f.explainFlags.registerPodFlags(fl)
 	fl.StringVar(&f.netns, "netns", "", "network namespace path of the pod (skips the search)")
 	fl.StringArrayVar(&f.netnsDirs, "netns-dir", podnetns.DefaultNetnsDirs, "directory of the runtime's bind-mounted netns files to search (repeatable; replaces the defaults)")
-	fl.StringVar(&f.nodeName, "node-name", defaultNodeName(), "this node's name, to tell when the pod runs elsewhere (default $NODE_NAME, else the host name)")
+	fl.StringVar(&f.nodeName, "node-name", defaultNodeName(), "this node's name, to tell when the pod runs elsewhere (from $NODE_NAME, else the host name)")
 	fl.StringVar(&f.backend, "backend", "auto", "backend whose rules to read: auto (whichever holds rules), nftables, iptables-nft or iptables-legacy")
 	fl.StringVarP(&f.output, "output", "o", "text", "text or json")
 	return cmd
