@@ -37,7 +37,7 @@ func uniqueAddrs() (netip.Addr, netip.Addr) {
 }
 
 // podNetns makes a netns holding addrs on "eth0" (up), or on lo when onLo.
-func podNetns(t *testing.T, onLo bool, addrs ...netip.Addr) string {
+func podNetns(t testing.TB, onLo bool, addrs ...netip.Addr) string {
 	t.Helper()
 	path := testutil.NewNetns(t)
 	err := netnsutil.Do(path, func() error {
@@ -77,7 +77,7 @@ func podNetns(t *testing.T, onLo bool, addrs ...netip.Addr) string {
 }
 
 // bindInto bind-mounts the namespace file src at dir/name (as runtimes do).
-func bindInto(t *testing.T, dir, name, src string) string {
+func bindInto(t testing.TB, dir, name, src string) string {
 	t.Helper()
 	dst := filepath.Join(dir, name)
 	if err := os.WriteFile(dst, nil, 0o444); err != nil {
