@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"path/filepath"
 	"sort"
 	"strings"
 	"time"
@@ -370,7 +371,13 @@ func getPod(ctx context.Context, kubeconfig, ns, name string) (*corev1.Pod, erro
 	var cfg *rest.Config
 	var err error
 	if kubeconfig != "" {
-		if cfg, err = clientcmd.BuildConfigFromFlags("", kubeconfig); err != nil {
+		// One file must exist; a KUBECONFIG-style list is merged as kubectl does.
+		rules := &clientcmd.ClientConfigLoadingRules{ExplicitPath: kubeconfig}
+		if paths := filepath.SplitList(kubeconfig); len(paths) > 1 {
+			rules = &clientcmd.ClientConfigLoadingRules{Precedence: paths}
+		}
+		cc := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{})
+		if cfg, err = cc.ClientConfig(); err != nil {
 			return nil, fmt.Errorf("kubeconfig %s: %w", kubeconfig, err)
 		}
 	} else if cfg, err = rest.InClusterConfig(); err != nil {
