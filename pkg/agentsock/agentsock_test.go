@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -264,5 +265,93 @@ func BenchmarkReportCommand(b *testing.B) {
 		if err := c.ReportCommand(CommandAdd, ResultSuccess, time.Millisecond, Pod{"ns", "p"}, nil); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+func TestGetPod(t *testing.T) {
+	dir, _, _, _ := startServer(t, func(_ context.Context, r *Request) (json.RawMessage, error) {
+		if r.Type != RequestPod {
+			return nil, ErrUnsupported
+		}
+		var pr PodRequest
+		if err := json.Unmarshal(r.Body, &pr); err != nil {
+			return nil, err
+		}
+		switch pr.Name {
+		case "web":
+			return json.Marshal(PodResponse{Found: true, Pod: json.RawMessage(`{"metadata":{"namespace":"` + pr.Namespace + `","name":"web","uid":"` + pr.UID + `"}}`)})
+		case "broken":
+			return json.Marshal(PodResponse{Found: true})
+		}
+		return json.Marshal(PodResponse{Reason: "not cached"})
+	})
+	c, err := Dial(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	for _, tc := range []struct {
+		name, wantPod, wantReason, wantErr string
+	}{
+		{"web", `{"metadata":{"namespace":"ns","name":"web","uid":"u1"}}`, "", ""},
+		{"other", "", "not cached", ""},
+		{"broken", "", "", "found without a pod"},
+	} {
+		resp, err := c.GetPod(ctx, PodRequest{Namespace: "ns", Name: tc.name, UID: "u1"})
+		if tc.wantErr != "" {
+			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Errorf("%s: error %v, want %q", tc.name, err, tc.wantErr)
+			}
+			continue
+		}
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if resp.Found != (tc.wantPod != "") || string(resp.Pod) != tc.wantPod || resp.Reason != tc.wantReason {
+			t.Errorf("%s: got %+v", tc.name, resp)
+		}
+	}
+	var nilClient *Client
+	if _, err := nilClient.GetPod(ctx, PodRequest{Namespace: "ns", Name: "web"}); !errors.Is(err, ErrClosed) {
+		t.Errorf("GetPod on a nil client = %v", err)
+	}
+}
+
+// TestRelease: descriptors handed to the agent are closed by it. The write end of a
+// pipe goes over; once the sender closes its own copy, the reader sees EOF only if the
+// agent closed the one it received. The stream goes on after the release message.
+func TestRelease(t *testing.T) {
+	dir, got, _, _ := startServer(t, nil)
+	c, err := Dial(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if err := c.Release(int(w.Fd())); err != nil {
+		t.Fatal(err)
+	}
+	w.Close()
+	if err := r.SetReadDeadline(time.Now().Add(5 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := r.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+		t.Fatalf("read after release = %d, %v; want EOF (the agent closed its copy)", n, err)
+	}
+	if err := c.ReportCommand(CommandDel, ResultSuccess, time.Millisecond, Pod{Namespace: "ns", Name: "p"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if cmd := recv(t, got.cmds); cmd.Command != CommandDel || cmd.Pod.Name != "p" {
+		t.Fatalf("command after release = %+v", cmd)
+	}
+	var nilClient *Client
+	if err := nilClient.Release(1); !errors.Is(err, ErrClosed) {
+		t.Errorf("Release on a nil client = %v", err)
 	}
 }

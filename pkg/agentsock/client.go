@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"syscall"
 	"time"
 )
 
@@ -164,6 +165,55 @@ func (c *Client) Call(ctx context.Context, typ string, body, out any) error {
 		}
 		return nil
 	}
+}
+
+// GetPod asks the agent for a pod from its cache of the node's pods, waiting until ctx
+// ends. An error means the agent could not be asked (no agent, an older agent that
+// does not know the request, a timeout); a PodResponse with Found false means it was
+// asked and does not have the pod.
+func (c *Client) GetPod(ctx context.Context, req PodRequest) (*PodResponse, error) {
+	var resp PodResponse
+	if err := c.Call(ctx, RequestPod, req, &resp); err != nil {
+		return nil, err
+	}
+	if resp.Found && len(resp.Pod) == 0 {
+		return nil, fmt.Errorf("agentsock: %s: found without a pod", RequestPod)
+	}
+	return &resp, nil
+}
+
+// Release hands file descriptors to the agent, which closes them: the caller may then
+// close its own copies without being the last holder. The descriptors travel with a
+// "release" message (SCM_RIGHTS); on error nothing was handed over.
+func (c *Client) Release(fds ...int) error {
+	if c == nil {
+		return ErrClosed
+	}
+	uc, ok := c.conn.(*net.UnixConn)
+	if !ok || len(fds) == 0 {
+		return ErrClosed
+	}
+	line, err := json.Marshal(&Message{V: Version, Kind: KindRelease})
+	if err != nil {
+		return fmt.Errorf("agentsock: encode: %w", err)
+	}
+	line = append(line, '\n')
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.broken {
+		return ErrClosed
+	}
+	if err := c.conn.SetWriteDeadline(time.Now().Add(WriteTimeout)); err != nil {
+		c.fail()
+		return ErrClosed
+	}
+	n, _, err := uc.WriteMsgUnix(line, syscall.UnixRights(fds...), nil)
+	if err != nil || n != len(line) {
+		// A partial line would corrupt the stream: drop the connection.
+		c.fail()
+		return fmt.Errorf("%w: release: %v", ErrClosed, err)
+	}
+	return nil
 }
 
 // Handler returns a slog.Handler that sends records at level or above to the agent.

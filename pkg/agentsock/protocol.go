@@ -3,9 +3,15 @@
 //
 // Every line is one Message. The plugin sends "log" and "cmd" messages, one way: the
 // agent does not answer them. A "req" message carries an ID and is answered by one
-// "resp" message with the same ID; this is the room left for questions to the agent
-// (such as a pod from its informer cache). An agent answers a request kind it does not
-// know with an error, so a newer plugin can talk to an older agent.
+// "resp" message with the same ID. The one question so far is RequestPod: a pod from
+// the agent's informer cache of its node's pods, so that the plugin need not open a
+// TLS connection to the API server. An agent answers a request kind it does not know
+// with an error, so a newer plugin can talk to an older agent.
+//
+// A "release" message carries file descriptors (SCM_RIGHTS) and nothing to answer: the
+// agent closes them. The plugin hands over a netlink socket this way after deleting
+// nftables tables, because the kernel makes the last close of such a socket wait for an
+// RCU grace period (several milliseconds) that a CNI DEL need not wait for.
 //
 // The client side (Dial, Client) uses only the standard library: it is linked into
 // the CNI plugin, which must stay small, start fast and never wait on the agent for
@@ -33,6 +39,7 @@ const (
 	KindCommand  = "cmd"
 	KindRequest  = "req"
 	KindResponse = "resp"
+	KindRelease  = "release"
 )
 
 // Message is one line on the socket.
@@ -90,6 +97,27 @@ type Request struct {
 type Response struct {
 	Error string          `json:"error,omitempty"`
 	Body  json.RawMessage `json:"body,omitempty"`
+}
+
+// RequestPod asks for one pod from the agent's cache of its node's pods. Body:
+// PodRequest; answer: PodResponse.
+const RequestPod = "pod"
+
+// PodRequest names the pod the runtime is creating. UID, when set, is K8S_POD_UID.
+type PodRequest struct {
+	Namespace string `json:"namespace"`
+	Name      string `json:"name"`
+	UID       string `json:"uid,omitempty"`
+}
+
+// PodResponse answers a RequestPod. Found is false when the cache cannot answer
+// (the agent has no API access, its cache is not synced yet, the pod is not in it,
+// or it has another UID); Reason then says which, and the plugin asks the API server.
+// Pod is the v1 Pod as JSON (the agentsock client stays free of Kubernetes packages).
+type PodResponse struct {
+	Found  bool            `json:"found"`
+	Reason string          `json:"reason,omitempty"`
+	Pod    json.RawMessage `json:"pod,omitempty"`
 }
 
 // Log attribute keys lifted into LogRecord.Pod.

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"log/slog"
 	"net"
@@ -137,8 +138,44 @@ func (s *Server) ServeListener(ctx context.Context, l *net.UnixListener) error {
 	}
 }
 
+// fdCloser reads a unix connection and closes every file descriptor that arrives with
+// the data (a "release" message's SCM_RIGHTS): the agent is their last holder.
+type fdCloser struct {
+	c   *net.UnixConn
+	oob []byte
+	log *slog.Logger
+}
+
+func (r *fdCloser) Read(p []byte) (int, error) {
+	n, oobn, _, _, err := r.c.ReadMsgUnix(p, r.oob)
+	if oobn > 0 {
+		msgs, perr := syscall.ParseSocketControlMessage(r.oob[:oobn])
+		if perr != nil {
+			r.log.Warn("agent socket: unreadable control message", "err", perr)
+		}
+		for _, m := range msgs {
+			fds, err := syscall.ParseUnixRights(&m)
+			if err != nil {
+				continue
+			}
+			for _, fd := range fds {
+				syscall.Close(fd)
+			}
+		}
+	}
+	switch {
+	case errors.Is(err, io.EOF), err == nil && n == 0 && oobn == 0:
+		return n, io.EOF // the plain end of the stream, as bufio.Scanner expects it
+	}
+	return n, err
+}
+
 func (s *Server) serveConn(ctx context.Context, conn net.Conn, log *slog.Logger) {
-	sc := bufio.NewScanner(conn)
+	var rd io.Reader = conn
+	if uc, ok := conn.(*net.UnixConn); ok {
+		rd = &fdCloser{c: uc, oob: make([]byte, syscall.CmsgSpace(16*4)), log: log}
+	}
+	sc := bufio.NewScanner(rd)
 	sc.Buffer(make([]byte, 0, 4096), MaxLine)
 	w := bufio.NewWriter(conn)
 	for sc.Scan() {
@@ -156,6 +193,8 @@ func (s *Server) serveConn(ctx context.Context, conn net.Conn, log *slog.Logger)
 			if s.OnCommand != nil {
 				s.OnCommand(m.Cmd)
 			}
+		case m.Kind == KindRelease:
+			// Its descriptors were closed as they arrived (fdCloser).
 		case m.Kind == KindRequest && m.Req != nil:
 			resp := &Response{}
 			var body json.RawMessage
