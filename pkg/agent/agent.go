@@ -99,6 +99,7 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 			return nil, err
 		}
 		a.Pods = pods
+		a.Socket.Pods = pods
 		a.runnables = append(a.runnables, pods)
 	}
 	return a, nil

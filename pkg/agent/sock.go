@@ -2,6 +2,8 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
 	"log/slog"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
@@ -9,10 +11,14 @@ import (
 
 // SocketServer receives the plugin's log records and command results on the agent
 // socket: records are logged with the pod's name and namespace, results feed metrics.
+// It answers the plugin's pod lookups (agentsock.RequestPod) from Pods, the node's
+// pod cache (nil: every lookup is a miss and the plugin asks the API server), and
+// closes the descriptors the plugin hands over (agentsock.KindRelease).
 type SocketServer struct {
 	Path    string
 	Log     *slog.Logger
 	Metrics *Metrics
+	Pods    PodSource
 }
 
 // Name implements Runnable.
@@ -48,6 +54,23 @@ func (s *SocketServer) Run(ctx context.Context) error {
 			}
 			plog.Debug("CNI command", args...)
 		},
+	}
+	srv.OnRequest = func(_ context.Context, req *agentsock.Request) (json.RawMessage, error) {
+		if req.Type != agentsock.RequestPod {
+			return nil, agentsock.ErrUnsupported
+		}
+		var pr agentsock.PodRequest
+		if err := json.Unmarshal(req.Body, &pr); err != nil {
+			return nil, fmt.Errorf("pod request: %w", err)
+		}
+		resp, err := AnswerPod(s.Pods, pr)
+		if err != nil {
+			return nil, err
+		}
+		if !resp.Found {
+			plog.Debug("pod lookup: miss", "pod_namespace", pr.Namespace, "pod_name", pr.Name, "reason", resp.Reason)
+		}
+		return json.Marshal(resp)
 	}
 	s.Log.Info("plugin socket listening", "path", s.Path)
 	return srv.Serve(ctx)

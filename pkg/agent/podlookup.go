@@ -1,0 +1,47 @@
+package agent
+
+import (
+	"encoding/json"
+	"fmt"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/meshcni/meshcni/pkg/agentsock"
+)
+
+// PodSource is the agent's cache of its node's pods (*nodepods.Cache).
+type PodSource interface {
+	HasSynced() bool
+	Get(namespace, name string) (*corev1.Pod, bool)
+}
+
+// mirrorAnnotation holds, on a static pod's mirror pod, the UID kubelet runs the
+// static pod with (K8S_POD_UID is that one, the mirror pod's own UID differs).
+const mirrorAnnotation = "kubernetes.io/config.mirror"
+
+// AnswerPod answers the plugin's RequestPod from the cache: found only when the cache
+// is synced, holds the pod, and (when the request names a UID) the pod has that UID.
+// Any other case is a miss with its reason, and the plugin asks the API server; the
+// agent never answers for the API server, so its errors stay the plugin's.
+func AnswerPod(pods PodSource, req agentsock.PodRequest) (agentsock.PodResponse, error) {
+	switch {
+	case pods == nil:
+		return agentsock.PodResponse{Reason: "the agent has no pod cache (no API access or no --node-name)"}, nil
+	case req.Namespace == "" || req.Name == "":
+		return agentsock.PodResponse{}, fmt.Errorf("pod request without namespace or name")
+	case !pods.HasSynced():
+		return agentsock.PodResponse{Reason: "the agent's pod cache is not synced yet"}, nil
+	}
+	pod, ok := pods.Get(req.Namespace, req.Name)
+	if !ok {
+		return agentsock.PodResponse{Reason: "pod not in the agent's cache of this node's pods"}, nil
+	}
+	if req.UID != "" && string(pod.UID) != req.UID && pod.Annotations[mirrorAnnotation] != req.UID {
+		return agentsock.PodResponse{Reason: fmt.Sprintf("the cached pod has UID %s, not %s", pod.UID, req.UID)}, nil
+	}
+	b, err := json.Marshal(pod)
+	if err != nil {
+		return agentsock.PodResponse{}, fmt.Errorf("encode pod %s/%s: %w", req.Namespace, req.Name, err)
+	}
+	return agentsock.PodResponse{Found: true, Pod: b}, nil
+}
