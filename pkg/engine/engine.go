@@ -22,6 +22,12 @@ type Options struct {
 	// NetnsPath is the pod's network namespace ("" = the current one).
 	NetnsPath string
 	Logger    *slog.Logger
+	// HandOff, when set, receives duplicates of the nftables netlink sockets the
+	// engine used, after their work is committed, and must close them itself (the CNI
+	// plugin passes them to the node agent): the engine then never waits for the
+	// kernel's reclaim of deleted nftables objects (see sockets). On an error, or
+	// when nil, the engine closes them itself.
+	HandOff func(fds ...int) error
 }
 
 func (o Options) log() *slog.Logger {
@@ -31,16 +37,22 @@ func (o Options) log() *slog.Logger {
 	return slog.Default()
 }
 
-// Apply writes the pod's redirect and returns the backend that did it.
+// Apply writes the pod's redirect and returns the backend that did it. An explicit
+// backend is used without probing the namespace; backend.Auto looks once (one
+// netlink listing). The policy routing / ::6 step runs only when the ruleset needs it
+// (TPROXY or IPv6).
 func Apply(ctx context.Context, o Options, s *spec.Spec) (backend.Kind, error) {
 	if err := s.Validate(); err != nil {
 		return "", fmt.Errorf("invalid redirect spec: %w", err)
 	}
 	rs := rules.Build(s)
-	b, reason, err := Select(ctx, o.Backend, o.NetnsPath)
+	socks := &sockets{}
+	defer socks.release(o)
+	b, reason, err := selectIn(o.Backend, o.NetnsPath, socks)
 	if err != nil {
 		return "", err
 	}
+	b = withSockets(b, socks)
 	o.log().Debug("backend chosen", "backend", b.Kind(), "reason", reason, "netns", o.NetnsPath)
 	if err := b.Apply(ctx, o.NetnsPath, rs); err != nil {
 		return b.Kind(), fmt.Errorf("apply rules with %s: %w", b.Kind(), err)
@@ -77,14 +89,20 @@ func Check(ctx context.Context, o Options, s *spec.Spec) (backend.Drift, error) 
 }
 
 // Clean removes meshcni's rules from every backend that holds some (an explicit
-// backend cleans only itself), and the TPROXY policy routing.
+// backend cleans only itself), and the TPROXY policy routing and ::6. With
+// backend.Auto one netlink listing decides: meshcni's nftables tables are deleted in
+// one batch; iptables-nft-save runs only when an iptables-nft table holds an ISTIO_*
+// chain, iptables-legacy-save only when iptables-legacy has tables in the namespace.
 func Clean(ctx context.Context, o Options) error {
+	socks := &sockets{}
+	defer socks.release(o)
 	kinds := []backend.Kind{o.Backend}
 	if o.Backend == backend.Auto || o.Backend == "" {
-		var err error
-		if kinds, err = holders(o.NetnsPath); err != nil {
+		p, err := probeNetns(o.NetnsPath, true, socks)
+		if err != nil {
 			return err
 		}
+		kinds = p.cleaners()
 	}
 	var errs []error
 	for _, k := range kinds {
@@ -93,7 +111,7 @@ func Clean(ctx context.Context, o Options) error {
 			errs = append(errs, err)
 			continue
 		}
-		if err := b.Clean(ctx, o.NetnsPath); err != nil {
+		if err := withSockets(b, socks).Clean(ctx, o.NetnsPath); err != nil {
 			errs = append(errs, fmt.Errorf("clean %s: %w", k, err))
 		}
 	}

@@ -51,6 +51,9 @@ type Backend struct {
 	GroupFile string
 	// Log receives debug records of what was applied (slog.Default() if nil).
 	Log *slog.Logger
+	// SockOptions are applied to the netlink socket of Apply and Clean (pkg/engine uses
+	// one to keep a duplicate of the socket, whose last close it then controls).
+	SockOptions []gnft.SockOption
 }
 
 var _ backend.Backend = (*Backend)(nil)
@@ -77,8 +80,11 @@ func (b *Backend) groupFile() string {
 
 // conn opens a netlink connection into the namespace at netnsPath ("" = current).
 // close must be called when done.
-func conn(netnsPath string) (c *gnft.Conn, close func(), err error) {
+func conn(netnsPath string, sockOpts ...gnft.SockOption) (c *gnft.Conn, close func(), err error) {
 	opts := []gnft.ConnOption{gnft.AsLasting()}
+	if len(sockOpts) > 0 {
+		opts = append(opts, gnft.WithSockOptions(sockOpts...))
+	}
 	fd := -1
 	if netnsPath != "" {
 		fd, err = unix.Open(netnsPath, unix.O_RDONLY|unix.O_CLOEXEC, 0)
@@ -159,7 +165,7 @@ func (b *Backend) Apply(ctx context.Context, netnsPath string, rs *rules.Ruleset
 	if err != nil {
 		return fmt.Errorf("nftables apply: %w", err)
 	}
-	c, closeConn, err := conn(netnsPath)
+	c, closeConn, err := conn(netnsPath, b.SockOptions...)
 	if err != nil {
 		return fmt.Errorf("nftables apply: %w", err)
 	}
@@ -237,7 +243,7 @@ func (b *Backend) Clean(ctx context.Context, netnsPath string) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	c, closeConn, err := conn(netnsPath)
+	c, closeConn, err := conn(netnsPath, b.SockOptions...)
 	if err != nil {
 		return fmt.Errorf("nftables clean: %w", err)
 	}
