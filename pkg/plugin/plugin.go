@@ -12,6 +12,7 @@ package plugin
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -239,7 +240,7 @@ func (p *Plugin) add(inv *invocation, prev *current.Result) error {
 	if err != nil {
 		return err
 	}
-	k, err := p.Engine.Apply(ctx, engine.Options{Backend: inv.cfg.Backend, NetnsPath: inv.args.Netns, Logger: inv.log}, s)
+	k, err := p.Engine.Apply(ctx, inv.engineOptions(), s)
 	if err != nil {
 		return types.NewError(types.ErrInternal, fmt.Sprintf(
 			"meshcni cannot apply the traffic redirect of pod %s/%s in %s: %v; meshcni fails closed so the pod is not started unredirected",
@@ -248,6 +249,17 @@ func (p *Plugin) add(inv *invocation, prev *current.Result) error {
 	inv.log.Info("pod meshed: redirect applied", "reason", d.Reason, "backend", k, "mode", s.Mode,
 		"ipv4", s.EnableIPv4, "ipv6", s.EnableIPv6, "duration", time.Since(inv.start))
 	return nil
+}
+
+// engineOptions: the configured backend in CNI_NETNS; with the agent connected, the
+// engine hands its netlink sockets to the agent to close (a DEL then does not wait
+// for the kernel's reclaim of the deleted tables).
+func (inv *invocation) engineOptions() engine.Options {
+	o := engine.Options{Backend: inv.cfg.Backend, NetnsPath: inv.args.Netns, Logger: inv.log}
+	if inv.sock != nil {
+		o.HandOff = inv.sock.Release
+	}
+	return o
 }
 
 // podSpec derives the spec and sets its families from the prevResult's addresses.
@@ -284,6 +296,9 @@ func resultAddrs(r *current.Result) []netip.Addr {
 // error saying what is wrong and what to do: meshcni fails closed.
 func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*corev1.Pod, error) {
 	const closed = "meshcni fails closed so the pod is not started unredirected"
+	if pod := inv.podFromAgent(ctx); pod != nil {
+		return pod, nil
+	}
 	getter, err := p.NewPodGetter(inv.cfg.Kubeconfig)
 	if err != nil {
 		return nil, types.NewError(types.ErrTryAgainLater, fmt.Sprintf(
@@ -297,7 +312,7 @@ func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*corev1.Pod, er
 	if err != nil {
 		return nil, apiFailure(inv, getter.Server(), err, time.Since(t0))
 	}
-	inv.log.Debug("pod fetched", "duration", time.Since(t0))
+	inv.log.Debug("pod fetched", "source", "api", "duration", time.Since(t0))
 	if pod.Namespace != inv.namespace || pod.Name != inv.name {
 		return nil, types.NewError(types.ErrInternal, fmt.Sprintf(
 			"the Kubernetes API at %s answered the GET of pod %s/%s with pod %s/%s; %s", getter.Server(), inv.namespace, inv.name, pod.Namespace, pod.Name, closed), "")
@@ -308,6 +323,46 @@ func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*corev1.Pod, er
 			inv.namespace, inv.name, pod.UID, inv.uid, closed), "")
 	}
 	return pod, nil
+}
+
+// AgentLookupTimeout bounds the pod lookup through the agent's socket; past it the
+// plugin asks the API server. The agent answers from memory in well under 1 ms.
+const AgentLookupTimeout = 50 * time.Millisecond
+
+// podFromAgent asks the agent's cache of the node's pods for the pod. It returns nil
+// on any miss (no agent, an agent without a cache or without the pod, another UID,
+// a timeout, a bad answer): the caller then GETs the pod from the API server, so the
+// agent can make ADD faster but never decides a failure.
+func (inv *invocation) podFromAgent(ctx context.Context) *corev1.Pod {
+	if inv.sock == nil {
+		return nil
+	}
+	t0 := time.Now()
+	ctx, cancel := context.WithTimeout(ctx, AgentLookupTimeout)
+	defer cancel()
+	resp, err := inv.sock.GetPod(ctx, agentsock.PodRequest{Namespace: inv.namespace, Name: inv.name, UID: inv.uid})
+	miss := func(reason string, args ...any) *corev1.Pod {
+		inv.log.Debug("pod not answered by the agent, asking the API server", append([]any{"reason", reason, "duration", time.Since(t0)}, args...)...)
+		return nil
+	}
+	switch {
+	case err != nil:
+		return miss("lookup failed", "err", err)
+	case !resp.Found:
+		return miss(resp.Reason)
+	}
+	var pod corev1.Pod
+	if err := json.Unmarshal(resp.Pod, &pod); err != nil {
+		return miss("undecodable pod", "err", err)
+	}
+	if pod.Namespace != inv.namespace || pod.Name != inv.name {
+		return miss(fmt.Sprintf("the agent answered with pod %s/%s", pod.Namespace, pod.Name))
+	}
+	if inv.uid != "" && !sameUID(&pod, inv.uid) {
+		return miss(fmt.Sprintf("the agent's pod has UID %s, not %s", pod.UID, inv.uid))
+	}
+	inv.log.Debug("pod fetched", "source", "agent", "duration", time.Since(t0))
+	return &pod
 }
 
 // mirrorAnnotation holds, on a static pod's mirror pod, the UID kubelet runs the
@@ -374,7 +429,7 @@ func (p *Plugin) Del(args *skel.CmdArgs) (err error) {
 		inv.log.Debug("DEL: netns gone, its rules with it", "netns", args.Netns)
 		return nil
 	}
-	cerr := p.Engine.Clean(context.Background(), engine.Options{Backend: inv.cfg.Backend, NetnsPath: args.Netns, Logger: inv.log})
+	cerr := p.Engine.Clean(context.Background(), inv.engineOptions())
 	if cerr != nil {
 		if !netnsExists(args.Netns) {
 			inv.log.Debug("DEL: netns disappeared while cleaning", "netns", args.Netns)
@@ -427,7 +482,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) (err error) {
 	if err != nil {
 		return err
 	}
-	drift, err := p.Engine.Check(ctx, engine.Options{Backend: inv.cfg.Backend, NetnsPath: args.Netns, Logger: inv.log}, s)
+	drift, err := p.Engine.Check(ctx, inv.engineOptions(), s)
 	if err != nil {
 		return types.NewError(types.ErrInternal, fmt.Sprintf("meshcni cannot check the rules of pod %s/%s in %s: %v", inv.namespace, inv.name, args.Netns, err), "")
 	}
