@@ -142,7 +142,7 @@ func TestInspectNetns(t *testing.T) {
 }
 
 // The test bed's containerd keeps its netns files here (docs/testing.md).
-var testbedNetnsDir = filepath.Join(testbed.RunDir, "containerd/io.containerd.grpc.v1.cri/netns")
+var testbedNetnsDir = testbed.NetnsDir
 
 const inspectNS = "inspect-e2e"
 

@@ -63,6 +63,11 @@ const (
 	EchoPort  = 8080
 )
 
+// NetnsDir is where the test bed's containerd bind-mounts pod network namespaces
+// (give it to podnetns.Finder, the agent's --repair-netns-dirs, meshcnictl inspect's
+// --netns-dir).
+var NetnsDir = filepath.Join(RunDir, "containerd/io.containerd.grpc.v1.cri/netns")
+
 // Paths of generated files.
 var (
 	pkiDir               = filepath.Join(BaseDir, "pki")
