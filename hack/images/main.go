@@ -1,0 +1,66 @@
+// Command images builds meshcni's container image archive without Docker (see
+// pkg/images): `make images` runs it. Flags:
+//
+//	--hub meshcni.local --tag dev --arch amd64,arm64 --out bin/images/meshcni-dev.tar
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"slices"
+	"syscall"
+
+	"github.com/meshcni/meshcni/pkg/images"
+	"github.com/meshcni/meshcni/pkg/testbed"
+)
+
+func main() {
+	hub := flag.String("hub", images.DefaultHub, "image hub (registry/namespace)")
+	tag := flag.String("tag", images.DefaultTag, "image tag")
+	arch := flag.String("arch", "", "comma-separated architectures (amd64, arm64, arm/v7, ppc64le, s390x, riscv64); empty: this machine's")
+	out := flag.String("out", "", "archive path (default bin/images/meshcni-<tag>.tar)")
+	version := flag.String("version", "", "version label and -X main.version (default: the tag)")
+	revision := flag.String("revision", "", "revision label (default: git rev-parse HEAD)")
+	flag.Parse()
+	if flag.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "images: unexpected arguments %q\n", flag.Args())
+		os.Exit(2)
+	}
+	arches, err := images.ParseArches(*arch)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "images: --arch: %v\n", err)
+		os.Exit(2)
+	}
+	root, err := testbed.RepoRoot()
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "images: %v\n", err)
+		os.Exit(1)
+	}
+	if *out == "" {
+		*out = images.DefaultArchive(root, *tag)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	res, err := images.Build(ctx, images.Options{
+		RepoRoot: root, Hub: *hub, Tag: *tag, Arches: arches,
+		Version: *version, Revision: *revision, Out: *out,
+		Logger: slog.New(slog.NewTextHandler(os.Stderr, nil)),
+	})
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "images: %v\n", err)
+		os.Exit(1)
+	}
+	fmt.Printf("%s  %s  %.1f MB  index %s  (%s)\n", res.Out, res.Ref, float64(res.ArchiveSize)/1e6, res.IndexDigest, res.Took.Round(1e7))
+	for _, p := range res.Platforms {
+		cmds := make([]string, 0, len(p.Commands))
+		for c := range p.Commands {
+			cmds = append(cmds, c)
+		}
+		slices.Sort(cmds)
+		fmt.Printf("  linux/%s  %s  layer %.1f MB  %v\n", p.Arch, p.Digest, float64(p.Size)/1e6, cmds)
+	}
+}
