@@ -14,6 +14,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/install"
+	"github.com/meshcni/meshcni/pkg/repair"
 )
 
 // KubeconfigName is the plugin kubeconfig's file name in the run directory.
@@ -45,6 +46,17 @@ type Config struct {
 	PodName            string
 	PodNamespace       string
 	NodeName           string
+
+	// The repair controller's settings (flags and checks in repair.go).
+	Repair              bool
+	RepairAction        repair.Action
+	RepairLabelKey      string
+	RepairLabelSelector string
+	RepairFieldSelector string
+	RepairInitContainer string
+	RepairExitCode      int
+	RepairMessage       string
+	RepairNetnsDirs     []string
 }
 
 // KubeconfigPath is where the plugin's kubeconfig goes.
@@ -104,6 +116,7 @@ func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Co
 	fs.StringVar(&c.PodName, "pod-name", "", "the agent's pod (downward API), for Kubernetes Events")
 	fs.StringVar(&c.PodNamespace, "pod-namespace", "", "the agent's pod namespace (downward API)")
 	fs.StringVar(&c.NodeName, "node-name", "", "the node's name (downward API)")
+	finishRepair := c.repairFlags(fs)
 
 	if err := flagenv.Bind(fs, EnvPrefix, getenv); err != nil {
 		return nil, err
@@ -122,6 +135,9 @@ func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Co
 		if ns = strings.TrimSpace(ns); ns != "" {
 			c.ExcludeNamespaces = append(c.ExcludeNamespaces, ns)
 		}
+	}
+	if err := finishRepair(); err != nil {
+		return nil, err
 	}
 	if err := c.validate(); err != nil {
 		return nil, err

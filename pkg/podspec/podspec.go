@@ -380,3 +380,16 @@ func WithFamilies(s *spec.Spec, addrs []netip.Addr) {
 		s.EnableIPv4, s.EnableIPv6 = v4, v6
 	}
 }
+
+// ForPod derives the pod's redirect spec (Build) and sets its IP families from the
+// pod's addresses (WithFamilies): what the plugin applies at ADD, for callers that
+// program a pod after the fact (the agent's repair controller). addrs are the pod's
+// addresses (status.podIPs).
+func ForPod(pod *corev1.Pod, addrs []netip.Addr) (Result, error) {
+	res, err := Build(pod)
+	if err != nil {
+		return Result{}, err
+	}
+	WithFamilies(res.Spec, addrs)
+	return res, nil
+}

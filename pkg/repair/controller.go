@@ -1,0 +1,470 @@
+package repair
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/time/rate"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/workqueue"
+
+	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/podnetns"
+	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/spec"
+)
+
+// Event reasons on the pods acted on.
+const (
+	ReasonRepaired = "MeshcniRedirectRepaired"    // Normal: rules applied in place
+	ReasonDeleted  = "MeshcniDeletedUnredirected" // Normal: pod deleted for its controller to recreate
+	ReasonLabeled  = "MeshcniLabeledUnredirected" // Normal: label set
+	ReasonFailed   = "MeshcniRepairFailed"        // Warning: the action failed
+	ReasonGaveUp   = "MeshcniRepairGaveUp"        // Warning: the action failed MaxAttempts times
+	resultSuccess  = "success"
+	resultError    = "error"
+	defaultWorkers = 4
+	// MaxRepairsPerPod bounds the in-place repairs of one pod: a pod whose validation
+	// still fails after that many is failing for another reason.
+	MaxRepairsPerPod = 3
+	// retryAfter spaces retries of transient conditions (errRetry).
+	retryAfter = 100 * time.Millisecond
+)
+
+// NewRateLimiter spaces the attempts of a failing action: 250 ms doubling up to 30 s
+// per pod, and at most 10 actions per second (burst 100) overall.
+func NewRateLimiter() workqueue.TypedRateLimiter[string] {
+	return workqueue.NewTypedMaxOfRateLimiter(
+		workqueue.NewTypedItemExponentialFailureRateLimiter[string](250*time.Millisecond, 30*time.Second),
+		&workqueue.TypedBucketRateLimiter[string]{Limiter: rate.NewLimiter(rate.Limit(10), 100)},
+	)
+}
+
+// Log messages of the controller's notable records (one line per action).
+const (
+	LogWatching  = "repair controller watching the node's pods" // cache synced, workers started
+	LogSucceeded = "repair action succeeded"
+	LogFailed    = "repair action failed, will retry"
+	LogGaveUp    = "repair action failed, giving up"
+)
+
+// Pods is the node's pod cache (pkg/nodepods.Cache).
+type Pods interface {
+	Informer() cache.SharedIndexInformer
+	Get(namespace, name string) (*corev1.Pod, bool)
+	WaitForSync(ctx context.Context) bool
+}
+
+// Netns finds a pod's network namespace on this host (podnetns.Finder).
+type Netns interface {
+	FindPod(ctx context.Context, pod *corev1.Pod) (string, error)
+}
+
+// ApplyFunc writes a pod's redirect (engine.Apply).
+type ApplyFunc func(ctx context.Context, o engine.Options, s *spec.Spec) (backend.Kind, error)
+
+// Metrics holds meshcni_repairs_total.
+type Metrics struct {
+	Repairs *prometheus.CounterVec
+}
+
+// NewMetrics creates the repair metrics and registers them in reg (when not nil).
+func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
+	m := &Metrics{Repairs: prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "meshcni_repairs_total",
+		Help: "Actions of the repair controller on pods whose validation init container found no redirect, by action (repair, delete, label) and result (success, error).",
+	}, []string{"action", "result"})}
+	if reg != nil {
+		if err := reg.Register(m.Repairs); err != nil {
+			return nil, fmt.Errorf("register repair metrics: %w", err)
+		}
+	}
+	return m, nil
+}
+
+// Options configure a Controller.
+type Options struct {
+	Policy Policy
+	// Backend is the engine backend for the in-place repair (the agent's --backend).
+	Backend backend.Kind
+	Client  kubernetes.Interface
+	Events  record.EventRecorder
+	Pods    Pods
+	// Netns finds pods' network namespaces (default: podnetns.Finder{} with the
+	// default directories and /proc).
+	Netns Netns
+	// Apply writes rules (default engine.Apply).
+	Apply ApplyFunc
+	// ReadyToDelete, when set, must return nil before a pod is deleted: the agent's
+	// plugin installed, so the recreated pod gets its redirect at ADD.
+	ReadyToDelete func() error
+	Metrics       *Metrics
+	Log           *slog.Logger
+	// Workers process pods in parallel (default 4).
+	Workers int
+	// MaxAttempts bounds the attempts of one action (default 5); NewRateLimiter
+	// spaces them.
+	MaxAttempts int
+}
+
+// Controller repairs the node's broken pods.
+type Controller struct {
+	o     Options
+	queue workqueue.TypedRateLimitingInterface[string]
+	mu    sync.Mutex
+	done  map[types.UID]*podState
+}
+
+// podState is what the controller did to one pod (by UID).
+type podState struct {
+	keys       map[string]bool // decision keys handled (acted on, given up or covered)
+	repairs    int             // successful in-place repairs
+	lastRepair time.Time
+}
+
+// New builds a controller and registers its handlers on the pod informer: call it
+// before the informer runs.
+func New(o Options) (*Controller, error) {
+	if o.Client == nil || o.Pods == nil || o.Events == nil {
+		return nil, errors.New("repair: a client, an Event recorder and the node's pods are needed")
+	}
+	if _, err := ParseAction(string(o.Policy.Action)); err != nil {
+		return nil, fmt.Errorf("repair: %w", err)
+	}
+	if o.Policy.Action == ActionLabel {
+		if _, err := ParseLabelKey(o.Policy.LabelKey); err != nil {
+			return nil, fmt.Errorf("repair: %w", err)
+		}
+	}
+	if o.Netns == nil {
+		o.Netns = &podnetns.Finder{}
+	}
+	if o.Apply == nil {
+		o.Apply = engine.Apply
+	}
+	if o.Log == nil {
+		o.Log = slog.Default()
+	}
+	if o.Workers <= 0 {
+		o.Workers = defaultWorkers
+	}
+	if o.MaxAttempts <= 0 {
+		o.MaxAttempts = 5
+	}
+	if o.Metrics == nil {
+		m, err := NewMetrics(nil)
+		if err != nil {
+			return nil, err
+		}
+		o.Metrics = m
+	}
+	for _, r := range []string{resultSuccess, resultError} {
+		o.Metrics.Repairs.WithLabelValues(string(o.Policy.Action), r)
+	}
+	c := &Controller{
+		o: o,
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(NewRateLimiter(),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "meshcni-repair"}),
+		done: map[types.UID]*podState{},
+	}
+	_, err := o.Pods.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    c.observe,
+		UpdateFunc: func(_, obj any) { c.observe(obj) },
+		DeleteFunc: c.forget,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("repair: pod handler: %w", err)
+	}
+	return c, nil
+}
+
+// Name implements the agent's Runnable.
+func (c *Controller) Name() string { return "repair" }
+
+// observe queues a pod that looks broken (the cheap test; Decide runs again in the
+// worker on the latest cached pod).
+func (c *Controller) observe(obj any) {
+	pod, ok := obj.(*corev1.Pod)
+	if !ok {
+		return
+	}
+	if f, _ := c.o.Policy.Criteria.Broken(pod); f == nil {
+		return
+	}
+	key, err := cache.MetaNamespaceKeyFunc(pod)
+	if err != nil {
+		return
+	}
+	c.queue.Add(key)
+}
+
+// forget drops what was done to a deleted pod.
+func (c *Controller) forget(obj any) {
+	if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = t.Obj
+	}
+	if pod, ok := obj.(*corev1.Pod); ok {
+		c.mu.Lock()
+		delete(c.done, pod.UID)
+		c.mu.Unlock()
+	}
+}
+
+// Run processes the queue once the pod cache has synced, until ctx ends.
+func (c *Controller) Run(ctx context.Context) error {
+	defer c.queue.ShutDown()
+	p := c.o.Policy
+	if !c.o.Pods.WaitForSync(ctx) {
+		return nil // ctx ended
+	}
+	c.o.Log.Info(LogWatching, "action", p.Action, "init_container", p.Criteria.InitContainer,
+		"exit_code", p.Criteria.ExitCode, "message", fmt.Sprint(p.Criteria.Message), "label_selector", fmt.Sprint(p.LabelSelector),
+		"field_selector", fmt.Sprint(p.FieldSelector), "workers", c.o.Workers)
+	var wg sync.WaitGroup
+	for range c.o.Workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for c.next(ctx) {
+			}
+		}()
+	}
+	<-ctx.Done()
+	c.queue.ShutDown()
+	wg.Wait()
+	return nil
+}
+
+func (c *Controller) next(ctx context.Context) bool {
+	key, quit := c.queue.Get()
+	if quit {
+		return false
+	}
+	defer c.queue.Done(key)
+	c.process(ctx, key)
+	return true
+}
+
+func (c *Controller) state(uid types.UID) *podState {
+	st := c.done[uid]
+	if st == nil {
+		st = &podState{keys: map[string]bool{}}
+		c.done[uid] = st
+	}
+	return st
+}
+
+// handled reports whether the decision needs no action: its key was handled, or (in
+// place) the failed run started no later than the last repair of the pod, so it may
+// have run before the rules were there (times have a resolution of one second).
+// A pod repaired MaxRepairsPerPod times is not repaired again: it fails for another
+// reason; that is reported once (giveUp).
+func (c *Controller) handled(uid types.UID, d Decision) (done, giveUp bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	st := c.state(uid)
+	if st.keys[d.Key] {
+		return true, false
+	}
+	if d.Action == ActionRepair && st.repairs > 0 {
+		if d.Failure.StartedAt.Unix() <= st.lastRepair.Unix() {
+			st.keys[d.Key] = true
+			return true, false
+		}
+		if st.repairs >= MaxRepairsPerPod {
+			st.keys[d.Key] = true
+			return true, true
+		}
+	}
+	return false, false
+}
+
+func (c *Controller) markDone(uid types.UID, d Decision, repaired time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	st := c.state(uid)
+	st.keys[d.Key] = true
+	if !repaired.IsZero() {
+		st.repairs++
+		st.lastRepair = repaired
+	}
+}
+
+// errRetry is a transient condition that is retried without counting as a failure
+// (a stale cached pod, the plugin not installed yet).
+type errRetry struct{ error }
+
+func (c *Controller) process(ctx context.Context, key string) {
+	ns, name, err := cache.SplitMetaNamespaceKey(key)
+	if err != nil {
+		c.queue.Forget(key)
+		return
+	}
+	pod, ok := c.o.Pods.Get(ns, name)
+	if !ok {
+		c.queue.Forget(key)
+		return
+	}
+	d := Decide(pod, c.o.Policy)
+	log := c.o.Log.With("pod_namespace", ns, "pod_name", name, "pod_uid", string(pod.UID))
+	if !d.Act {
+		log.Debug("repair: nothing to do", "reason", d.Reason)
+		c.queue.Forget(key)
+		return
+	}
+	if done, giveUp := c.handled(pod.UID, d); done {
+		c.queue.Forget(key)
+		if giveUp {
+			msg := fmt.Sprintf("meshcni repaired the pod's traffic redirect in place %d times and %s still fails (exit %d): the redirect may not be the cause; not repairing again",
+				MaxRepairsPerPod, d.Failure.Container, d.Failure.ExitCode)
+			c.o.Events.Event(pod, corev1.EventTypeWarning, ReasonGaveUp, msg)
+			log.Error(LogGaveUp, "action", d.Action, "reason", d.Reason, "repairs", MaxRepairsPerPod)
+		}
+		return
+	}
+	start := time.Now()
+	detail, err := c.act(ctx, pod, d)
+	var retry errRetry
+	switch {
+	case err == nil:
+		c.queue.Forget(key)
+		var repaired time.Time
+		if d.Action == ActionRepair {
+			repaired = time.Now()
+		}
+		c.markDone(pod.UID, d, repaired)
+		c.o.Metrics.Repairs.WithLabelValues(string(d.Action), resultSuccess).Inc()
+		c.o.Events.Event(pod, corev1.EventTypeNormal, successReason(d.Action), detail)
+		log.Info(LogSucceeded, "action", d.Action, "result", resultSuccess, "detail", detail, "reason", d.Reason,
+			"container_id", d.Failure.ContainerID, "duration", time.Since(start))
+	case errors.As(err, &retry):
+		log.Debug("repair: retry later", "action", d.Action, "reason", retry.Error())
+		c.queue.AddAfter(key, retryAfter)
+	case ctx.Err() != nil:
+	default:
+		c.o.Metrics.Repairs.WithLabelValues(string(d.Action), resultError).Inc()
+		attempts := c.queue.NumRequeues(key) + 1
+		msg := fmt.Sprintf("meshcni could not %s the unredirected pod (attempt %d of %d): %v", verb(d.Action), attempts, c.o.MaxAttempts, err)
+		if attempts >= c.o.MaxAttempts {
+			c.queue.Forget(key)
+			c.markDone(pod.UID, d, time.Time{})
+			c.o.Events.Event(pod, corev1.EventTypeWarning, ReasonGaveUp, msg+"; giving up on this pod")
+			log.Error(LogGaveUp, "action", d.Action, "result", resultError, "reason", d.Reason, "err", err, "attempts", attempts)
+			return
+		}
+		c.o.Events.Event(pod, corev1.EventTypeWarning, ReasonFailed, msg)
+		log.Warn(LogFailed, "action", d.Action, "result", resultError, "reason", d.Reason, "err", err, "attempts", attempts)
+		c.queue.AddRateLimited(key)
+	}
+}
+
+func successReason(a Action) string {
+	switch a {
+	case ActionDelete:
+		return ReasonDeleted
+	case ActionLabel:
+		return ReasonLabeled
+	}
+	return ReasonRepaired
+}
+
+func verb(a Action) string {
+	switch a {
+	case ActionDelete:
+		return "delete"
+	case ActionLabel:
+		return "label"
+	}
+	return "repair in place"
+}
+
+// act runs the decided action and returns the success message.
+func (c *Controller) act(ctx context.Context, pod *corev1.Pod, d Decision) (string, error) {
+	why := fmt.Sprintf("init container %s exited %d", d.Failure.Container, d.Failure.ExitCode)
+	switch d.Action {
+	case ActionRepair:
+		netns, kind, err := c.repairInPlace(ctx, pod)
+		if err != nil {
+			return "", err
+		}
+		return fmt.Sprintf("meshcni applied the traffic redirect in place after %s (backend %s, netns %s); the next run of %s passes",
+			why, kind, netns, d.Failure.Container), nil
+	case ActionDelete:
+		if c.o.ReadyToDelete != nil {
+			if err := c.o.ReadyToDelete(); err != nil {
+				return "", errRetry{fmt.Errorf("plugin not installed yet: %w", err)}
+			}
+		}
+		uid, rv := pod.UID, pod.ResourceVersion
+		err := c.o.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
+			Preconditions: &metav1.Preconditions{UID: &uid, ResourceVersion: &rv},
+		})
+		switch {
+		case apierrors.IsConflict(err):
+			return "", errRetry{fmt.Errorf("stale pod (resourceVersion %s): %w", rv, err)}
+		case apierrors.IsNotFound(err):
+			return "pod already gone", nil
+		case err != nil:
+			return "", fmt.Errorf("delete: %w", err)
+		}
+		return fmt.Sprintf("meshcni deleted the pod after %s (the traffic redirect was missing); its controller recreates it with the redirect", why), nil
+	case ActionLabel:
+		patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
+			"labels": map[string]string{c.o.Policy.LabelKey: LabelValue},
+			// The UID guards against labelling a namesake recreated meanwhile.
+			"uid": pod.UID,
+		}})
+		if err != nil {
+			return "", err
+		}
+		_, err = c.o.Client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			return "pod already gone", nil
+		case err != nil:
+			return "", fmt.Errorf("label: %w", err)
+		}
+		return fmt.Sprintf("meshcni labelled the pod %s=%s after %s (the traffic redirect is missing)", c.o.Policy.LabelKey, LabelValue, why), nil
+	}
+	return "", fmt.Errorf("unknown action %q", d.Action)
+}
+
+// repairInPlace finds the pod's netns and applies its redirect there.
+func (c *Controller) repairInPlace(ctx context.Context, pod *corev1.Pod) (string, backend.Kind, error) {
+	ips, err := podnetns.PodIPs(pod)
+	if err != nil {
+		return "", "", err
+	}
+	if len(ips) == 0 {
+		return "", "", errRetry{fmt.Errorf("%w", podnetns.ErrNoPodIP)}
+	}
+	res, err := podspec.ForPod(pod, ips)
+	if err != nil {
+		return "", "", fmt.Errorf("redirect spec: %w", err)
+	}
+	for _, w := range res.Warnings {
+		c.o.Log.Warn(w, "pod_namespace", pod.Namespace, "pod_name", pod.Name)
+	}
+	netns, err := c.o.Netns.FindPod(ctx, pod)
+	if err != nil {
+		return "", "", fmt.Errorf("find the pod's network namespace: %w", err)
+	}
+	kind, err := c.o.Apply(ctx, engine.Options{Backend: c.o.Backend, NetnsPath: netns, Logger: c.o.Log}, res.Spec)
+	if err != nil {
+		return netns, kind, fmt.Errorf("apply the redirect in %s: %w", netns, err)
+	}
+	return netns, kind, nil
+}

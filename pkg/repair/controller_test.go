@@ -1,0 +1,295 @@
+package repair
+
+// Pure-logic tests of the controller's bookkeeping (once per pod, retries, Events,
+// metrics) over a fake clientset; the real behaviour is proven on the test bed in
+// e2e_test.go.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+	"k8s.io/client-go/tools/record"
+
+	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/nodepods"
+	"github.com/meshcni/meshcni/pkg/podnetns"
+	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/spec"
+)
+
+type fakeNetns struct{ err error }
+
+func (f fakeNetns) FindPod(_ context.Context, pod *corev1.Pod) (string, error) {
+	if f.err != nil {
+		return "", f.err
+	}
+	return "/run/netns/" + pod.Name, nil
+}
+
+type applies struct {
+	mu    sync.Mutex
+	calls []engine.Options
+	specs []*spec.Spec
+}
+
+func (a *applies) apply(_ context.Context, o engine.Options, s *spec.Spec) (backend.Kind, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.calls = append(a.calls, o)
+	a.specs = append(a.specs, s)
+	return backend.Nftables, nil
+}
+
+func (a *applies) count() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.calls)
+}
+
+type harness struct {
+	client *fake.Clientset
+	events *record.FakeRecorder
+	c      *Controller
+	m      *Metrics
+	apply  *applies
+	cancel func()
+	done   chan struct{}
+}
+
+func start(t *testing.T, action Action, mut func(*Options, *fake.Clientset), pods ...runtime.Object) *harness {
+	t.Helper()
+	cs := fake.NewClientset(pods...)
+	cache, err := nodepods.New(cs, node, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &harness{client: cs, events: record.NewFakeRecorder(100), apply: &applies{}, done: make(chan struct{})}
+	h.m, _ = NewMetrics(nil)
+	o := Options{
+		Policy: Policy{Node: node, Action: action, Criteria: criteria(), LabelKey: DefaultLabelKey,
+			Mesh: podspec.Config{ExcludeNamespaces: []string{"kube-system"}}},
+		Backend: backend.Nftables, Client: cs, Events: h.events, Pods: cache,
+		Netns: fakeNetns{}, Apply: h.apply.apply, Metrics: h.m, MaxAttempts: 2,
+		Log: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	}
+	if mut != nil {
+		mut(&o, cs) // before anything runs
+	}
+	if h.c, err = New(o); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	h.cancel = cancel
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { defer wg.Done(); _ = cache.Run(ctx) }()
+	go func() { defer wg.Done(); _ = h.c.Run(ctx) }()
+	go func() { wg.Wait(); close(h.done) }()
+	t.Cleanup(func() { cancel(); <-h.done })
+	return h
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimSpace(string(p)))
+	return len(p), nil
+}
+
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within 5s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// nextEvent returns the next Event ("Type Reason message") or fails.
+func (h *harness) nextEvent(t *testing.T) string {
+	t.Helper()
+	select {
+	case e := <-h.events.Events:
+		return e
+	case <-time.After(5 * time.Second):
+		t.Fatal("no Event")
+		return ""
+	}
+}
+
+func (h *harness) noEvent(t *testing.T) {
+	t.Helper()
+	select {
+	case e := <-h.events.Events:
+		t.Fatalf("unexpected Event %q", e)
+	case <-time.After(300 * time.Millisecond):
+	}
+}
+
+func (h *harness) count(action Action, result string) float64 {
+	return testutil.ToFloat64(h.m.Repairs.WithLabelValues(string(action), result))
+}
+
+// updateStatus replaces the validation container's status through the API.
+func (h *harness) updateStatus(t *testing.T, st corev1.ContainerStatus) {
+	t.Helper()
+	p, err := h.client.CoreV1().Pods("app").Get(context.Background(), "web", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Status.InitContainerStatuses = []corev1.ContainerStatus{st}
+	if _, err := h.client.CoreV1().Pods("app").UpdateStatus(context.Background(), p, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func failedRun(id string, started time.Time) corev1.ContainerStatus {
+	return corev1.ContainerStatus{Name: DefaultInitContainer, RestartCount: 2, State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{
+		ExitCode: 126, ContainerID: id, StartedAt: metav1.NewTime(started), FinishedAt: metav1.NewTime(started.Add(time.Second)),
+	}}}
+}
+
+func TestControllerRepairOncePerFailedRun(t *testing.T) {
+	h := start(t, ActionRepair, nil, brokenPod())
+	if e := h.nextEvent(t); !strings.HasPrefix(e, "Normal "+ReasonRepaired+" ") || !strings.Contains(e, "/run/netns/web") {
+		t.Fatalf("Event %q", e)
+	}
+	if n := h.apply.count(); n != 1 {
+		t.Fatalf("%d applies", n)
+	}
+	o, s := h.apply.calls[0], h.apply.specs[0]
+	if o.NetnsPath != "/run/netns/web" || o.Backend != backend.Nftables || !s.EnableIPv4 || s.EnableIPv6 {
+		t.Fatalf("apply options %+v, spec v4=%v v6=%v", o, s.EnableIPv4, s.EnableIPv6)
+	}
+	if h.count(ActionRepair, resultSuccess) != 1 || h.count(ActionRepair, resultError) != 0 {
+		t.Fatal("metrics")
+	}
+
+	// The same failed run seen again (the kubelet reruns it, status updates): nothing.
+	st := brokenPod().Status.InitContainerStatuses[0]
+	st.LastTerminationState, st.State = st.State, corev1.ContainerState{Running: &corev1.ContainerStateRunning{}}
+	h.updateStatus(t, st)
+	// A run that started before the repair and failed: the repair may have come too late for it.
+	h.updateStatus(t, failedRun("containerd://run3", time.Now().Add(-3*time.Second)))
+	h.noEvent(t)
+	// A run started after the repair fails again: repaired again, at most MaxRepairsPerPod times.
+	for i := 2; i <= MaxRepairsPerPod; i++ {
+		h.updateStatus(t, failedRun(fmt.Sprintf("containerd://late%d", i), time.Now().Add(time.Duration(2*i)*time.Second)))
+		if e := h.nextEvent(t); !strings.HasPrefix(e, "Normal "+ReasonRepaired) {
+			t.Fatalf("Event %q", e)
+		}
+	}
+	h.updateStatus(t, failedRun("containerd://late-last", time.Now().Add(time.Minute)))
+	if e := h.nextEvent(t); !strings.HasPrefix(e, "Warning "+ReasonGaveUp) {
+		t.Fatalf("Event %q", e)
+	}
+	h.noEvent(t)
+	if n := h.apply.count(); n != MaxRepairsPerPod {
+		t.Fatalf("%d applies, want %d", n, MaxRepairsPerPod)
+	}
+}
+
+func TestControllerRepairFailureIsReportedAndBounded(t *testing.T) {
+	notFound := fmt.Errorf("pod app/web: %w: no network namespace holds 10.0.0.5", podnetns.ErrNotFound)
+	h := start(t, ActionRepair, func(o *Options, _ *fake.Clientset) { o.Netns = fakeNetns{err: notFound} }, brokenPod())
+	if e := h.nextEvent(t); !strings.HasPrefix(e, "Warning "+ReasonFailed+" ") || !strings.Contains(e, "network namespace not found") || !strings.Contains(e, "attempt 1 of 2") {
+		t.Fatalf("Event %q", e)
+	}
+	if e := h.nextEvent(t); !strings.HasPrefix(e, "Warning "+ReasonGaveUp+" ") {
+		t.Fatalf("Event %q", e)
+	}
+	h.noEvent(t)
+	if h.count(ActionRepair, resultError) != 2 || h.count(ActionRepair, resultSuccess) != 0 || h.apply.count() != 0 {
+		t.Fatalf("metrics error=%v success=%v applies=%d", h.count(ActionRepair, resultError), h.count(ActionRepair, resultSuccess), h.apply.count())
+	}
+}
+
+func TestControllerDeleteWaitsForPluginAndUsesPreconditions(t *testing.T) {
+	var mu sync.Mutex
+	ready := errors.New("entry not installed")
+	pod := brokenPod()
+	pod.ResourceVersion = "7"
+	var pre *metav1.Preconditions
+	h := start(t, ActionDelete, func(o *Options, cs *fake.Clientset) {
+		o.ReadyToDelete = func() error { mu.Lock(); defer mu.Unlock(); return ready }
+		cs.PrependReactor("delete", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			pre = a.(k8stesting.DeleteActionImpl).DeleteOptions.Preconditions
+			return false, nil, nil
+		})
+	}, pod)
+	h.noEvent(t) // not ready: waits
+	mu.Lock()
+	ready = nil
+	mu.Unlock()
+	if e := h.nextEvent(t); !strings.HasPrefix(e, "Normal "+ReasonDeleted+" ") {
+		t.Fatalf("Event %q", e)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if pre == nil || pre.UID == nil || *pre.UID != "uid-1" || pre.ResourceVersion == nil || *pre.ResourceVersion == "" {
+		t.Fatalf("preconditions %+v", pre)
+	}
+	if _, err := h.client.CoreV1().Pods("app").Get(context.Background(), "web", metav1.GetOptions{}); err == nil {
+		t.Fatal("pod not deleted")
+	}
+	if h.count(ActionDelete, resultSuccess) != 1 {
+		t.Fatal("metric")
+	}
+}
+
+func TestControllerLabelsOnce(t *testing.T) {
+	h := start(t, ActionLabel, nil, brokenPod())
+	if e := h.nextEvent(t); !strings.HasPrefix(e, "Normal "+ReasonLabeled+" ") {
+		t.Fatalf("Event %q", e)
+	}
+	eventually(t, "label", func() bool {
+		p, err := h.client.CoreV1().Pods("app").Get(context.Background(), "web", metav1.GetOptions{})
+		return err == nil && p.Labels[DefaultLabelKey] == LabelValue && p.Labels["app"] == "web"
+	})
+	h.updateStatus(t, failedRun("containerd://run9", time.Now().Add(time.Minute)))
+	h.noEvent(t)
+	if h.count(ActionLabel, resultSuccess) != 1 || h.apply.count() != 0 {
+		t.Fatal("metric or applies")
+	}
+}
+
+func TestControllerLeavesOthersAlone(t *testing.T) {
+	healthy := brokenPod()
+	healthy.Name, healthy.UID = "healthy", "uid-2"
+	healthy.Status.InitContainerStatuses[0].State.Terminated.ExitCode = 0
+	plain := brokenPod()
+	plain.Name, plain.UID, plain.Annotations = "plain", "uid-3", nil
+	excluded := brokenPod()
+	excluded.Namespace, excluded.UID = "kube-system", "uid-4"
+	other := brokenPod()
+	other.Name, other.UID = "other", "uid-5"
+	other.Status.InitContainerStatuses[0].State.Terminated.ExitCode = 1
+	elsewhere := brokenPod()
+	elsewhere.Name, elsewhere.UID, elsewhere.Spec.NodeName = "elsewhere", "uid-6", "node-b"
+	h := start(t, ActionDelete, nil, healthy, plain, excluded, other, elsewhere)
+	h.noEvent(t)
+	l, err := h.client.CoreV1().Pods("").List(context.Background(), metav1.ListOptions{})
+	if err != nil || len(l.Items) != 5 {
+		t.Fatalf("pods %d, err %v", len(l.Items), err)
+	}
+	if h.count(ActionDelete, resultSuccess)+h.count(ActionDelete, resultError) != 0 {
+		t.Fatal("metrics")
+	}
+}
