@@ -53,7 +53,9 @@ const (
 	toolsImage = "meshcni.local/repair-e2e/tools:dev"
 	// testbedNetnsDir is where the test bed's containerd keeps pod network namespaces.
 	testbedNetnsDir = testbed.RunDir + "/containerd/io.containerd.grpc.v1.cri/netns"
-	excludedNS      = "repair-e2e-excluded"
+	// Namespaces the agent excludes (one per test: a deleted namespace lingers).
+	excludedNS    = "repair-e2e-excluded"
+	excludedDelNS = "repair-e2e-excluded-del"
 	// runningBound covers kubelet's back-off before it reruns a failed init
 	// container (10 s, then 20 s, ...).
 	runningBound = 75 * time.Second
@@ -303,7 +305,7 @@ func startAgent(t *testing.T, tb *testbed.Testbed, bin string, action repair.Act
 		"--plugin-binary", filepath.Join(bin, "meshcni"), "--run-dir", runDir,
 		"--kubeconfig", tb.Kubeconfig(), "--kubeconfig-source", tb.Kubeconfig(),
 		"--node-name", testbed.NodeName, "--health-addr", "127.0.0.1:0",
-		"--exclude-namespaces", "kube-system," + excludedNS,
+		"--exclude-namespaces", "kube-system," + excludedNS + "," + excludedDelNS,
 		"--repair-action", string(action), "--repair-netns-dirs", testbedNetnsDir,
 	}, func(string) string { return "" }, os.Stderr)
 	if err != nil {
@@ -532,34 +534,19 @@ func TestRaceRepairInPlace(t *testing.T) {
 	for i := range n {
 		broken = append(broken, fmt.Sprintf("broken-%d", i))
 	}
-	others := []*corev1.Pod{
-		newPod(ns, "healthy", meshedHealthy),
-		newPod(ns, "plain", plainBroken),
-		newPod(ns, "other-exit", meshedOtherExit),
-		newPod(excludedNS, "excluded", meshedBroken),
-	}
 	for _, name := range broken {
 		if _, err := tb.CreatePod(ctx, newPod(ns, name, meshedBroken)); err != nil {
 			t.Fatal(err)
 		}
 	}
-	for _, p := range others {
-		if _, err := tb.CreatePod(ctx, p); err != nil {
-			t.Fatal(err)
-		}
-	}
+	others := createOthers(t, ctx, tb, ns, excludedNS, "")
 
 	// The race: without meshcni in the chain, validation finds no redirect.
 	t0 := time.Now()
 	for _, name := range broken {
 		waitInitExit(t, ctx, tb, ns, name, 126)
 	}
-	before := map[string]*corev1.Pod{
-		"plain":      waitInitExit(t, ctx, tb, ns, "plain", 126),
-		"other-exit": waitInitExit(t, ctx, tb, ns, "other-exit", 1),
-		"excluded":   waitInitExit(t, ctx, tb, excludedNS, "excluded", 126),
-		"healthy":    waitRunning(t, ctx, tb, ns, "healthy", 30*time.Second),
-	}
+	before := others.wait(t, ctx, tb)
 	t.Logf("%d meshed pods failed validation with 126 within %s", n, time.Since(t0).Round(time.Millisecond))
 	for _, name := range broken {
 		p, err := tb.Client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
@@ -615,6 +602,39 @@ func TestRaceRepairInPlace(t *testing.T) {
 	}
 }
 
+// population is the pods the agent must never touch: a healthy meshed pod, a plain
+// pod whose validation fails 126, a meshed pod failing with exit code 1 and a
+// failing meshed pod in an excluded namespace.
+type population struct {
+	ns, excluded, prefix string
+}
+
+func createOthers(t *testing.T, ctx context.Context, tb *testbed.Testbed, ns, excluded, prefix string) population {
+	t.Helper()
+	for _, p := range []*corev1.Pod{
+		newPod(ns, prefix+"healthy", meshedHealthy),
+		newPod(ns, prefix+"plain", plainBroken),
+		newPod(ns, prefix+"other-exit", meshedOtherExit),
+		newPod(excluded, prefix+"excluded", meshedBroken),
+	} {
+		if _, err := tb.CreatePod(ctx, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return population{ns: ns, excluded: excluded, prefix: prefix}
+}
+
+// wait returns the population once each pod is in its state (failed or running).
+func (o population) wait(t *testing.T, ctx context.Context, tb *testbed.Testbed) []*corev1.Pod {
+	t.Helper()
+	return []*corev1.Pod{
+		waitInitExit(t, ctx, tb, o.ns, o.prefix+"plain", 126),
+		waitInitExit(t, ctx, tb, o.ns, o.prefix+"other-exit", 1),
+		waitInitExit(t, ctx, tb, o.excluded, o.prefix+"excluded", 126),
+		waitRunning(t, ctx, tb, o.ns, o.prefix+"healthy", 30*time.Second),
+	}
+}
+
 // TestRaceDelete: pods of a ReplicaSet fail validation; the agent (delete action)
 // installs the plugin and deletes them; their replacements get the redirect at ADD.
 func TestRaceDelete(t *testing.T) {
@@ -646,11 +666,14 @@ func TestRaceDelete(t *testing.T) {
 		}
 		return l.Items
 	}
+	namespace(t, ctx, tb, excludedDelNS)
+	others := createOthers(t, ctx, tb, ns, excludedDelNS, "del-")
 	waitFor(t, ctx, 30*time.Second, "ReplicaSet pods created", func() (bool, error) { return len(list()) == n, nil })
 	var orig []*corev1.Pod
 	for _, p := range list() {
 		orig = append(orig, waitInitExit(t, ctx, tb, ns, p.Name, 126))
 	}
+	before := others.wait(t, ctx, tb)
 
 	a := startAgent(t, tb, bin, repair.ActionDelete)
 	ready := a.watching(t, ctx)
@@ -689,6 +712,9 @@ func TestRaceDelete(t *testing.T) {
 	t.Logf("delete: %d replacement pods Running and redirected %s after the agent was ready", n, time.Since(ready).Round(time.Millisecond))
 	if got := a.repairCount(t, "delete", "success"); got != n {
 		t.Errorf("meshcni_repairs_total{action=delete,result=success} = %v, want %d", got, n)
+	}
+	for _, p := range before {
+		untouched(t, ctx, tb, p)
 	}
 	_ = tb.Client.AppsV1().ReplicaSets(ns).Delete(context.Background(), rs.Name, metav1.DeleteOptions{})
 }
