@@ -37,3 +37,14 @@ demo: build
 
 clean:
 	rm -rf $(BIN)
+
+# --- Helm chart (deploy/, docs/install.md) ---
+.PHONY: helm chart-lint manifests
+# Helm built from the Go module proxy (not in go.mod), cached under $(CACHE)/tools/helm-<version>.
+helm:
+	@bash hack/helm --path
+chart-lint: helm
+	"$$(bash hack/helm --path)" lint --strict deploy/charts/meshcni
+# Re-render deploy/manifests from the chart (TestManifests fails when they are stale).
+manifests: helm
+	$(GO) test -count=1 ./deploy -run '^TestManifests$$' -update

@@ -1,0 +1,460 @@
+package deploy_test
+
+import (
+	"fmt"
+	"io"
+	"regexp"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/klog/v2"
+	sigsyaml "sigs.k8s.io/yaml"
+
+	"github.com/meshcni/meshcni/pkg/agent"
+	"github.com/meshcni/meshcni/pkg/repair"
+	"github.com/meshcni/meshcni/pkg/taint"
+)
+
+// chart is one rendering of the chart, with typed views of the objects tests read.
+type chart struct {
+	objs   []*unstructured.Unstructured
+	agent  *appsv1.DaemonSet
+	taint  *appsv1.Deployment // nil: taint controller off
+	agentC *agent.Config      // the rendered env, parsed by the agent's own ParseFlags
+	taintC *taint.Config      // same for the taint controller
+}
+
+func (c *chart) find(kind, name string) *unstructured.Unstructured {
+	for _, o := range c.objs {
+		if o.GetKind() == kind && o.GetName() == name {
+			return o
+		}
+	}
+	return nil
+}
+
+func (c *chart) count(kind string) int {
+	n := 0
+	for _, o := range c.objs {
+		if o.GetKind() == kind {
+			n++
+		}
+	}
+	return n
+}
+
+// typed converts an object strictly: an unknown field is an error.
+func typed[T any](t testing.TB, o *unstructured.Unstructured) *T {
+	t.Helper()
+	var v T
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructuredWithValidation(o.Object, &v, true); err != nil {
+		t.Fatalf("%s %s: %v", o.GetKind(), o.GetName(), err)
+	}
+	return &v
+}
+
+func envOf(c corev1.Container) map[string]corev1.EnvVar {
+	m := map[string]corev1.EnvVar{}
+	for _, e := range c.Env {
+		m[e.Name] = e
+	}
+	return m
+}
+
+// getenv turns a container's env into what the process would see: downward-API values
+// become plausible stand-ins.
+func getenv(t testing.TB, c corev1.Container) func(string) string {
+	t.Helper()
+	m := map[string]string{}
+	for _, e := range c.Env {
+		switch {
+		case e.ValueFrom == nil:
+			m[e.Name] = e.Value
+		case e.ValueFrom.FieldRef != nil:
+			m[e.Name] = map[string]string{
+				"metadata.name":      "meshcni-agent-x7k2p",
+				"metadata.namespace": namespace,
+				"spec.nodeName":      "node-1",
+			}[e.ValueFrom.FieldRef.FieldPath]
+			if m[e.Name] == "" {
+				t.Fatalf("%s: unexpected fieldRef %s", e.Name, e.ValueFrom.FieldRef.FieldPath)
+			}
+		default:
+			t.Fatalf("%s: unexpected valueFrom %+v", e.Name, e.ValueFrom)
+		}
+	}
+	return func(k string) string { return m[k] }
+}
+
+// envNames are the MESHCNI_* variables a command's --help names (flagenv appends them).
+func envNames(t testing.TB, help string) map[string]bool {
+	t.Helper()
+	names := map[string]bool{}
+	for _, m := range regexp.MustCompile(`\[\$(MESHCNI_[A-Z0-9_]+)\]`).FindAllStringSubmatch(help, -1) {
+		names[m[1]] = true
+	}
+	if len(names) < 5 {
+		t.Fatalf("found only %d variables in the usage:\n%s", len(names), help)
+	}
+	return names
+}
+
+func agentEnvNames(t testing.TB) map[string]bool {
+	var b strings.Builder
+	if code := agent.Main([]string{"--help"}, func(string) string { return "" }, &b); code != 0 {
+		t.Fatalf("meshcni-agent --help: exit %d", code)
+	}
+	return envNames(t, b.String())
+}
+
+func taintEnvNames(t testing.TB) map[string]bool {
+	var b strings.Builder
+	if code := taint.Main([]string{"--help"}, func(string) string { return "" }, &b); code != 0 {
+		t.Fatalf("meshcni-taint-controller --help: exit %d", code)
+	}
+	return envNames(t, b.String())
+}
+
+// load renders the chart with values and checks what every rendering must hold.
+func load(t *testing.T, values []string) *chart {
+	t.Helper()
+	_, objs := render(t, namespace, values)
+	c := &chart{objs: objs}
+	c.checkLabels(t)
+	if o := c.find("DaemonSet", "meshcni-agent"); o == nil {
+		t.Fatal("no DaemonSet meshcni-agent")
+	} else {
+		c.agent = typed[appsv1.DaemonSet](t, o)
+	}
+	if o := c.find("Deployment", "meshcni-taint-controller"); o != nil {
+		c.taint = typed[appsv1.Deployment](t, o)
+	}
+	c.checkAgent(t)
+	c.checkTaint(t)
+	c.checkRBAC(t)
+	c.checkServices(t)
+	return c
+}
+
+var recommended = []string{
+	"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
+	"app.kubernetes.io/component", "app.kubernetes.io/part-of", "app.kubernetes.io/managed-by",
+}
+
+func (c *chart) checkLabels(t *testing.T) {
+	t.Helper()
+	for _, o := range c.objs {
+		l := o.GetLabels()
+		for _, k := range recommended {
+			if l[k] == "" {
+				t.Errorf("%s %s: no label %s", o.GetKind(), o.GetName(), k)
+			}
+		}
+		if l["app.kubernetes.io/name"] != "meshcni" || l["app.kubernetes.io/instance"] != release || l["app.kubernetes.io/part-of"] != "meshcni" {
+			t.Errorf("%s %s: labels %v", o.GetKind(), o.GetName(), l)
+		}
+		switch o.GetKind() {
+		case "ClusterRole", "ClusterRoleBinding":
+			if o.GetNamespace() != "" {
+				t.Errorf("%s %s: cluster-scoped object with namespace %q", o.GetKind(), o.GetName(), o.GetNamespace())
+			}
+		default:
+			if o.GetNamespace() != namespace {
+				t.Errorf("%s %s: namespace %q, want the release's %q", o.GetKind(), o.GetName(), o.GetNamespace(), namespace)
+			}
+		}
+	}
+}
+
+func (c *chart) checkAgent(t *testing.T) {
+	t.Helper()
+	ds := c.agent
+	ps := ds.Spec.Template.Spec
+	sel, err := labels.ValidatedSelectorFromSet(ds.Spec.Selector.MatchLabels)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pl := labels.Set(ds.Spec.Template.Labels)
+	if !sel.Matches(pl) || pl["app.kubernetes.io/name"] != "meshcni" || pl["app.kubernetes.io/component"] != "agent" {
+		t.Errorf("agent pod labels %v (selector %v)", pl, sel)
+	}
+	if !ps.HostNetwork || ps.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
+		t.Errorf("agent: hostNetwork %v, dnsPolicy %q", ps.HostNetwork, ps.DNSPolicy)
+	}
+	if u := ds.Spec.UpdateStrategy; u.Type != appsv1.RollingUpdateDaemonSetStrategyType || u.RollingUpdate == nil || u.RollingUpdate.MaxUnavailable.IntValue() != 1 {
+		t.Errorf("agent update strategy %+v", u)
+	}
+	if len(ps.Containers) != 1 {
+		t.Fatalf("agent: %d containers", len(ps.Containers))
+	}
+	ct := ps.Containers[0]
+	if !strings.Contains(ct.Image, "/meshcni:") {
+		t.Errorf("agent image %q: want <hub>/meshcni:<tag>", ct.Image)
+	}
+	if !slices.Equal(ct.Command, []string{"/usr/local/bin/meshcni-agent"}) {
+		t.Errorf("agent command %q", ct.Command)
+	}
+	// Every variable is one the agent reads, and the agent's own parser accepts them all.
+	known := agentEnvNames(t)
+	for _, e := range ct.Env {
+		if strings.HasPrefix(e.Name, "MESHCNI_") && !known[e.Name] {
+			t.Errorf("agent env %s: meshcni-agent has no such flag", e.Name)
+		}
+	}
+	cfg, err := agent.ParseFlags(nil, getenv(t, ct), io.Discard)
+	if err != nil {
+		t.Fatalf("the agent rejects the rendered env: %v", err)
+	}
+	c.agentC = cfg
+	if cfg.PodName == "" || cfg.PodNamespace != namespace || cfg.NodeName == "" {
+		t.Errorf("agent downward API: pod %q/%q node %q", cfg.PodNamespace, cfg.PodName, cfg.NodeName)
+	}
+	// Probes on the health address.
+	port := strings.TrimPrefix(cfg.HealthAddr, ":")
+	if len(ct.Ports) != 1 || fmt.Sprint(ct.Ports[0].ContainerPort) != port || ct.Ports[0].Name != "metrics" {
+		t.Errorf("agent ports %+v, health addr %q", ct.Ports, cfg.HealthAddr)
+	}
+	for _, p := range []struct {
+		probe *corev1.Probe
+		path  string
+	}{{ct.ReadinessProbe, "/readyz"}, {ct.LivenessProbe, "/healthz"}} {
+		if p.probe == nil || p.probe.HTTPGet == nil || p.probe.HTTPGet.Path != p.path || p.probe.HTTPGet.Port.String() != "metrics" {
+			t.Errorf("agent probe for %s: %+v", p.path, p.probe)
+		}
+	}
+	// The node's directories are mounted at the same paths: the plugin entry names them.
+	vols := map[string]corev1.Volume{}
+	for _, v := range ps.Volumes {
+		vols[v.Name] = v
+	}
+	mounted := map[string]bool{}
+	for _, m := range ct.VolumeMounts {
+		v, ok := vols[m.Name]
+		if !ok {
+			t.Errorf("agent mount %s: no volume", m.Name)
+			continue
+		}
+		if v.HostPath == nil || v.HostPath.Path != m.MountPath {
+			t.Errorf("agent mount %s at %s: volume %+v", m.Name, m.MountPath, v.VolumeSource)
+		}
+		mounted[m.MountPath] = true
+	}
+	for _, d := range []string{cfg.CNIBinDir, cfg.CNIConfDir, cfg.RunDir} {
+		if !mounted[d] {
+			t.Errorf("agent: %s is not mounted from the node", d)
+		}
+	}
+	if cfg.Repair && cfg.RepairAction == repair.ActionRepair {
+		for _, d := range cfg.RepairNetnsDirs {
+			if !mounted[d] {
+				t.Errorf("agent: repair netns dir %s is not mounted from the node", d)
+			}
+		}
+	}
+	for _, m := range ct.VolumeMounts {
+		if m.MountPropagation != nil && *m.MountPropagation != corev1.MountPropagationHostToContainer {
+			t.Errorf("agent mount %s: propagation %s", m.Name, *m.MountPropagation)
+		}
+	}
+}
+
+func (c *chart) checkTaint(t *testing.T) {
+	t.Helper()
+	if c.taint == nil {
+		return
+	}
+	ps := c.taint.Spec.Template.Spec
+	if len(ps.Containers) != 1 {
+		t.Fatalf("taint controller: %d containers", len(ps.Containers))
+	}
+	ct := ps.Containers[0]
+	if !slices.Equal(ct.Command, []string{"/usr/local/bin/meshcni-taint-controller"}) {
+		t.Errorf("taint controller command %q", ct.Command)
+	}
+	if ct.Image != c.agent.Spec.Template.Spec.Containers[0].Image {
+		t.Errorf("taint controller image %q, agent's %q", ct.Image, c.agent.Spec.Template.Spec.Containers[0].Image)
+	}
+	known := taintEnvNames(t)
+	for _, e := range ct.Env {
+		if e.Name != "POD_NAMESPACE" && !known[e.Name] && e.Name != "KUBERNETES_SERVICE_HOST" && e.Name != "KUBERNETES_SERVICE_PORT" {
+			t.Errorf("taint controller env %s: meshcni-taint-controller has no such flag", e.Name)
+		}
+	}
+	cfg, err := taint.ParseFlags(nil, getenv(t, ct), io.Discard)
+	if err != nil {
+		t.Fatalf("the taint controller rejects the rendered env: %v", err)
+	}
+	c.taintC = cfg
+	// It watches exactly this release's agent pods.
+	if cfg.AgentNamespace != namespace || !cfg.AgentSelector.Matches(labels.Set(c.agent.Spec.Template.Labels)) {
+		t.Errorf("taint controller watches %s/%v; agent pods are %s/%v", cfg.AgentNamespace, cfg.AgentSelector, namespace, c.agent.Spec.Template.Labels)
+	}
+	other := labels.Set(maps(c.agent.Spec.Template.Labels, "app.kubernetes.io/instance", "other"))
+	if cfg.AgentSelector.Matches(other) {
+		t.Errorf("taint controller selector %v also matches another release's agents", cfg.AgentSelector)
+	}
+	if *c.taint.Spec.Replicas > 1 && !cfg.LeaderElect {
+		t.Errorf("%d replicas without leader election", *c.taint.Spec.Replicas)
+	}
+	if cfg.LeaderElect && cfg.LeaseNamespace != namespace {
+		t.Errorf("lease namespace %q", cfg.LeaseNamespace)
+	}
+	if !tolerates(ps.Tolerations, corev1.Taint{Key: taint.TaintKey, Effect: taint.TaintEffect}) {
+		t.Errorf("taint controller does not tolerate its own taint: %+v", ps.Tolerations)
+	}
+	port := strings.TrimPrefix(cfg.HealthAddr, ":")
+	if len(ct.Ports) != 1 || fmt.Sprint(ct.Ports[0].ContainerPort) != port {
+		t.Errorf("taint controller ports %+v, health addr %q", ct.Ports, cfg.HealthAddr)
+	}
+	if ct.ReadinessProbe == nil || ct.ReadinessProbe.HTTPGet.Path != "/readyz" || ct.LivenessProbe == nil || ct.LivenessProbe.HTTPGet.Path != "/healthz" {
+		t.Errorf("taint controller probes %+v %+v", ct.ReadinessProbe, ct.LivenessProbe)
+	}
+}
+
+func maps(m map[string]string, k, v string) map[string]string {
+	out := map[string]string{}
+	for a, b := range m {
+		out[a] = b
+	}
+	out[k] = v
+	return out
+}
+
+func tolerates(ts []corev1.Toleration, taint corev1.Taint) bool {
+	for _, tol := range ts {
+		if tol.ToleratesTaint(klog.Background(), &taint, false) {
+			return true
+		}
+	}
+	return false
+}
+
+// podVerbs are the verbs a ClusterRole grants on pods.
+func podVerbs(cr *rbacv1.ClusterRole) []string {
+	var v []string
+	for _, r := range cr.Rules {
+		if slices.Contains(r.APIGroups, "") && slices.Contains(r.Resources, "pods") {
+			v = append(v, r.Verbs...)
+		}
+	}
+	sort.Strings(v)
+	return v
+}
+
+func (c *chart) checkRBAC(t *testing.T) {
+	t.Helper()
+	sas := map[string]bool{}
+	for _, o := range c.objs {
+		if o.GetKind() == "ServiceAccount" {
+			sas[o.GetName()] = true
+		}
+	}
+	if sa := c.agent.Spec.Template.Spec.ServiceAccountName; !sas[sa] {
+		t.Errorf("agent service account %q is not rendered", sa)
+	}
+	if c.taint != nil {
+		if sa := c.taint.Spec.Template.Spec.ServiceAccountName; !sas[sa] || sa == c.agent.Spec.Template.Spec.ServiceAccountName {
+			t.Errorf("taint controller service account %q (rendered: %v)", sa, sas)
+		}
+	}
+	for _, o := range c.objs {
+		var subjects []rbacv1.Subject
+		var ref rbacv1.RoleRef
+		switch o.GetKind() {
+		case "ClusterRoleBinding":
+			b := typed[rbacv1.ClusterRoleBinding](t, o)
+			subjects, ref = b.Subjects, b.RoleRef
+		case "RoleBinding":
+			b := typed[rbacv1.RoleBinding](t, o)
+			subjects, ref = b.Subjects, b.RoleRef
+		default:
+			continue
+		}
+		if c.find(ref.Kind, ref.Name) == nil {
+			t.Errorf("%s %s: role %s %s is not rendered", o.GetKind(), o.GetName(), ref.Kind, ref.Name)
+		}
+		for _, s := range subjects {
+			if s.Kind != "ServiceAccount" || !sas[s.Name] || s.Namespace != namespace {
+				t.Errorf("%s %s: subject %+v", o.GetKind(), o.GetName(), s)
+			}
+		}
+	}
+	// The agent's pod verbs follow the repair action: nothing beyond what it does.
+	cr := c.find("ClusterRole", "meshcni-agent")
+	if cr == nil {
+		t.Fatal("no ClusterRole meshcni-agent")
+	}
+	want := []string{"get", "list", "watch"}
+	if c.agentC.Repair {
+		switch c.agentC.RepairAction {
+		case repair.ActionDelete:
+			want = append(want, "delete")
+		case repair.ActionLabel:
+			want = append(want, "patch")
+		}
+	}
+	sort.Strings(want)
+	if got := podVerbs(typed[rbacv1.ClusterRole](t, cr)); !slices.Equal(got, want) {
+		t.Errorf("agent pod verbs %v, want %v (repair %v, action %s)", got, want, c.agentC.Repair, c.agentC.RepairAction)
+	}
+	for _, o := range c.objs {
+		if o.GetKind() != "ClusterRole" && o.GetKind() != "Role" {
+			continue
+		}
+		for _, r := range typed[rbacv1.ClusterRole](t, o).Rules {
+			for _, s := range append(append([]string{}, r.Verbs...), append(r.Resources, r.APIGroups...)...) {
+				if s == "*" {
+					t.Errorf("%s %s: wildcard in %+v", o.GetKind(), o.GetName(), r)
+				}
+			}
+		}
+	}
+}
+
+func (c *chart) checkServices(t *testing.T) {
+	t.Helper()
+	for _, o := range c.objs {
+		if o.GetKind() != "Service" {
+			continue
+		}
+		svc := typed[corev1.Service](t, o)
+		var pods map[string]string
+		switch svc.Labels["app.kubernetes.io/component"] {
+		case "agent":
+			pods = c.agent.Spec.Template.Labels
+		case "taint-controller":
+			if c.taint == nil {
+				t.Fatalf("Service %s without the taint controller", svc.Name)
+			}
+			pods = c.taint.Spec.Template.Labels
+		default:
+			t.Fatalf("Service %s: component %q", svc.Name, svc.Labels["app.kubernetes.io/component"])
+		}
+		if !labels.SelectorFromSet(svc.Spec.Selector).Matches(labels.Set(pods)) || len(svc.Spec.Selector) == 0 {
+			t.Errorf("Service %s selects %v, not the pods %v", svc.Name, svc.Spec.Selector, pods)
+		}
+		if svc.Spec.ClusterIP != corev1.ClusterIPNone || len(svc.Spec.Ports) != 1 || svc.Spec.Ports[0].Name != "metrics" {
+			t.Errorf("Service %s: %+v", svc.Name, svc.Spec)
+		}
+	}
+}
+
+func yamlOf(t testing.TB, o *unstructured.Unstructured) string {
+	t.Helper()
+	if o == nil {
+		return ""
+	}
+	b, err := sigsyaml.Marshal(o.Object)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}

@@ -1,0 +1,250 @@
+package deploy_test
+
+import (
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/meshcni/meshcni/pkg/repair"
+	"github.com/meshcni/meshcni/pkg/taint"
+)
+
+// matrixCase is a set of values (--set, or @file for --values) and what its rendering
+// must show beyond the checks of every rendering (load).
+type matrixCase struct {
+	name   string
+	values []string
+	check  func(t *testing.T, c *chart)
+}
+
+func agentEnv(c *chart) map[string]corev1.EnvVar {
+	return envOf(c.agent.Spec.Template.Spec.Containers[0])
+}
+
+func mountPaths(c *chart) map[string]bool {
+	m := map[string]bool{}
+	for _, v := range c.agent.Spec.Template.Spec.Containers[0].VolumeMounts {
+		m[v.MountPath] = true
+	}
+	return m
+}
+
+// matrix is every combination the docs promise; the dry-run test sends each to the API server.
+func matrix() []matrixCase {
+	cases := []matrixCase{
+		{name: "default", check: func(t *testing.T, c *chart) {
+			a := c.agentC
+			if !a.Chained || a.CNIBinDir != "/opt/cni/bin" || a.CNIConfDir != "/etc/cni/net.d" || a.RunDir != "/var/run/meshcni" ||
+				a.Backend != "auto" || a.HealthAddr != ":9807" || a.KeepOnExit || strings.Join(a.ExcludeNamespaces, ",") != "kube-system" {
+				t.Errorf("agent config %+v", a)
+			}
+			if !a.Repair || a.RepairAction != repair.ActionRepair || a.RepairInitContainer != "istio-validation" || a.RepairExitCode != 126 {
+				t.Errorf("repair config %+v", a)
+			}
+			ps := c.agent.Spec.Template.Spec
+			if ps.PriorityClassName != "system-node-critical" || ps.HostPID {
+				t.Errorf("priority class %q, hostPID %v", ps.PriorityClassName, ps.HostPID)
+			}
+			// Everything is tolerated: any taint, including the not-ready one.
+			for _, tn := range []corev1.Taint{{Key: taint.TaintKey, Effect: taint.TaintEffect}, {Key: "node.kubernetes.io/not-ready", Effect: corev1.TaintEffectNoExecute}, {Key: "x", Value: "y", Effect: corev1.TaintEffectNoSchedule}} {
+				if !tolerates(ps.Tolerations, tn) {
+					t.Errorf("agent does not tolerate %v", tn)
+				}
+			}
+			if img := ps.Containers[0].Image; img != "ghcr.io/meshcni/meshcni:0.1.0" {
+				t.Errorf("image %q, want the chart's appVersion", img)
+			}
+			if c.taint == nil || *c.taint.Spec.Replicas != 2 || !c.taintC.LeaderElect || c.taint.Spec.Template.Spec.HostNetwork {
+				t.Errorf("taint controller %+v", c.taint)
+			} else if c.taintC.GracePeriod.String() != "30s" || !c.taintC.TaintNewNodes {
+				t.Errorf("taint config %+v", c.taintC)
+			}
+			if n := c.count("ServiceMonitor"); n != 0 {
+				t.Errorf("%d ServiceMonitors by default", n)
+			}
+			if _, ok := agentEnv(c)["KUBERNETES_SERVICE_HOST"]; ok {
+				t.Error("KUBERNETES_SERVICE_HOST set by default")
+			}
+		}},
+		{name: "standalone", values: []string{"chained=false", "cniConfDir=/etc/kubernetes/cni/net.d", "cniConfFileName=00-multus.conf"}, check: func(t *testing.T, c *chart) {
+			a := c.agentC
+			if a.Chained || a.StandaloneFileName != "meshcni.conflist" || a.CNIConfDir != "/etc/kubernetes/cni/net.d" || a.CNIConfFileName != "" {
+				t.Errorf("agent config %+v", a)
+			}
+		}},
+		{name: "chained-conf-file", values: []string{"cniConfFileName=10-calico.conflist"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.CNIConfFileName != "10-calico.conflist" {
+				t.Errorf("conf file name %q", c.agentC.CNIConfFileName)
+			}
+		}},
+		{name: "gke", values: []string{"cniBinDir=/home/kubernetes/bin"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.CNIBinDir != "/home/kubernetes/bin" || !mountPaths(c)["/home/kubernetes/bin"] || mountPaths(c)["/opt/cni/bin"] {
+				t.Errorf("bin dir %q, mounts %v", c.agentC.CNIBinDir, mountPaths(c))
+			}
+		}},
+		{name: "k3s", values: []string{"cniBinDir=/var/lib/rancher/k3s/data/current/bin", "cniConfDir=/var/lib/rancher/k3s/agent/etc/cni/net.d",
+			"repair.netnsDirs={/run/k3s/containerd/io.containerd.grpc.v1.cri/netns,/var/run/netns}"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.CNIConfDir != "/var/lib/rancher/k3s/agent/etc/cni/net.d" || !mountPaths(c)["/run/k3s/containerd/io.containerd.grpc.v1.cri/netns"] ||
+				strings.Join(c.agentC.RepairNetnsDirs, ",") != "/run/k3s/containerd/io.containerd.grpc.v1.cri/netns,/var/run/netns" {
+				t.Errorf("config %+v, mounts %v", c.agentC, mountPaths(c))
+			}
+		}},
+		{name: "repair-delete", values: []string{"repair.action=delete"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.RepairAction != repair.ActionDelete || mountPaths(c)["/var/run/netns"] {
+				t.Errorf("action %s, mounts %v (netns dirs are for repair in place only)", c.agentC.RepairAction, mountPaths(c))
+			}
+		}},
+		{name: "repair-label", values: []string{"repair.action=label", "repair.labelKey=example.com/broken", `repair.labelSelector=app in (a\,b)`, "repair.fieldSelector=metadata.namespace!=batch"}, check: func(t *testing.T, c *chart) {
+			a := c.agentC
+			if a.RepairAction != repair.ActionLabel || a.RepairLabelKey != "example.com/broken" || a.RepairLabelSelector != "app in (a,b)" || a.RepairFieldSelector != "metadata.namespace!=batch" {
+				t.Errorf("repair config %+v", a)
+			}
+		}},
+		{name: "repair-hostproc", values: []string{"repair.hostProc=true", "repair.initContainerName=mesh-check", "repair.exitCode=42"}, check: func(t *testing.T, c *chart) {
+			if !c.agent.Spec.Template.Spec.HostPID || c.agentC.RepairInitContainer != "mesh-check" || c.agentC.RepairExitCode != 42 {
+				t.Errorf("hostPID %v, config %+v", c.agent.Spec.Template.Spec.HostPID, c.agentC)
+			}
+		}},
+		{name: "repair-off", values: []string{"repair.enabled=false", "repair.hostProc=true"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.Repair || c.agent.Spec.Template.Spec.HostPID || mountPaths(c)["/var/run/netns"] {
+				t.Errorf("repair %v, hostPID %v, mounts %v", c.agentC.Repair, c.agent.Spec.Template.Spec.HostPID, mountPaths(c))
+			}
+		}},
+		{name: "taint-off", values: []string{"taintController.enabled=false"}, check: func(t *testing.T, c *chart) {
+			for _, k := range []string{"Deployment", "Role", "RoleBinding"} {
+				if n := c.count(k); n != 0 {
+					t.Errorf("%d %s objects with the taint controller off", n, k)
+				}
+			}
+			if c.count("ServiceAccount") != 1 || c.count("ClusterRole") != 1 || c.count("Service") != 1 {
+				t.Errorf("objects: %d ServiceAccounts, %d ClusterRoles, %d Services", c.count("ServiceAccount"), c.count("ClusterRole"), c.count("Service"))
+			}
+		}},
+		{name: "taint-single", values: []string{"taintController.replicas=1", "taintController.leaderElect=false", "taintController.hostNetwork=true",
+			"taintController.gracePeriod=1m30s", "taintController.taintNewNodes=false", "taintController.nodeSelectorLabels=pool=meshed", "taintController.logLevel=debug"}, check: func(t *testing.T, c *chart) {
+			tc := c.taintC
+			if tc.LeaderElect || tc.GracePeriod.String() != "1m30s" || tc.TaintNewNodes || tc.NodeSelector.String() != "pool=meshed" || tc.LogLevel.String() != "DEBUG" {
+				t.Errorf("taint config %+v", tc)
+			}
+			if !c.taint.Spec.Template.Spec.HostNetwork || c.find("Role", "meshcni-taint-controller") == nil {
+				t.Errorf("hostNetwork %v", c.taint.Spec.Template.Spec.HostNetwork)
+			}
+			if strings.Contains(yamlOf(t, c.find("Role", "meshcni-taint-controller")), "leases") {
+				t.Error("lease permissions without leader election")
+			}
+		}},
+		{name: "servicemonitor", values: []string{"metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.interval=15s", "metrics.serviceMonitor.labels.release=prometheus", "metrics.port=19807"}, check: func(t *testing.T, c *chart) {
+			sm := c.find("ServiceMonitor", "meshcni")
+			if sm == nil {
+				t.Fatal("no ServiceMonitor")
+			}
+			if sm.GetLabels()["release"] != "prometheus" || !strings.Contains(yamlOf(t, sm), "interval: 15s") || c.agentC.HealthAddr != ":19807" {
+				t.Errorf("ServiceMonitor %s, health addr %s", yamlOf(t, sm), c.agentC.HealthAddr)
+			}
+		}},
+		{name: "image-and-levels", values: []string{"hub=registry.example.com:5000/mesh/", "tag=v1.2.3", "pullPolicy=Always", "imagePullSecrets[0].name=regcred",
+			"logLevel=warn", "pluginLogLevel=debug", "excludeNamespaces={kube-system,istio-system}", "keepOnUpgrade=true", "podAnnotations.a=b"}, check: func(t *testing.T, c *chart) {
+			ps := c.agent.Spec.Template.Spec
+			if ps.Containers[0].Image != "registry.example.com:5000/mesh/meshcni:v1.2.3" || ps.Containers[0].ImagePullPolicy != corev1.PullAlways ||
+				len(ps.ImagePullSecrets) != 1 || ps.ImagePullSecrets[0].Name != "regcred" || c.agent.Spec.Template.Annotations["a"] != "b" {
+				t.Errorf("agent pod %+v", ps)
+			}
+			a := c.agentC
+			if a.LogLevel.String() != "WARN" || a.PluginLogLevel != "debug" || strings.Join(a.ExcludeNamespaces, ",") != "kube-system,istio-system" || !a.KeepOnExit {
+				t.Errorf("agent config %+v", a)
+			}
+			if c.agent.Labels["app.kubernetes.io/version"] != "v1.2.3" {
+				t.Errorf("version label %q", c.agent.Labels["app.kubernetes.io/version"])
+			}
+		}},
+		{name: "api-server", values: []string{"apiServer.host=10.0.0.1"}, check: func(t *testing.T, c *chart) {
+			for _, ct := range []corev1.Container{c.agent.Spec.Template.Spec.Containers[0], c.taint.Spec.Template.Spec.Containers[0]} {
+				e := envOf(ct)
+				if e["KUBERNETES_SERVICE_HOST"].Value != "10.0.0.1" || e["KUBERNETES_SERVICE_PORT"].Value != "443" {
+					t.Errorf("%s: API server env %v", ct.Name, e)
+				}
+			}
+		}},
+		{name: "testbed", values: []string{"@testbed-values.yaml"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.CNIBinDir != "/var/lib/meshcni-testbed/cni/bin" || agentEnv(c)["KUBERNETES_SERVICE_PORT"].Value != "6443" ||
+				c.agent.Spec.Template.Spec.Containers[0].Image != "meshcni.local/meshcni:dev" || *c.taint.Spec.Replicas != 1 {
+				t.Errorf("agent config %+v", c.agentC)
+			}
+		}},
+	}
+	for _, b := range []string{"auto", "nftables", "iptables-nft", "iptables-legacy"} {
+		cases = append(cases, matrixCase{name: "backend-" + b, values: []string{"backend=" + b}, check: func(t *testing.T, c *chart) {
+			if c.agentC.Backend != b {
+				t.Errorf("agent backend %q, want %q", c.agentC.Backend, b)
+			}
+		}})
+	}
+	return cases
+}
+
+// TestTemplateMatrix renders every case and checks it (load: labels, the agent's and the
+// taint controller's own parsers accept the env, mounts, probes, RBAC, Services).
+func TestTemplateMatrix(t *testing.T) {
+	for _, tc := range matrix() {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.check(t, load(t, tc.values))
+		})
+	}
+}
+
+// TestLint runs `helm lint --strict` on the default values and on every case.
+func TestLint(t *testing.T) {
+	for _, tc := range matrix() {
+		t.Run(tc.name, func(t *testing.T) {
+			args := templateArgs(namespace, tc.values)
+			args = append([]string{"lint", chartDir, "--strict", "--namespace", namespace}, args[5:]...)
+			out, err := runHelm(t, args...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !strings.Contains(out, "1 chart(s) linted, 0 chart(s) failed") {
+				t.Fatalf("helm lint: %s", out)
+			}
+		})
+	}
+}
+
+// TestSchemaRejects: bad values fail helm template and helm lint with the schema's error
+// naming the value.
+func TestSchemaRejects(t *testing.T) {
+	for _, tc := range []struct{ set, want string }{
+		{"backend=foo", "at '/backend': value must be one of 'auto', 'nftables', 'iptables-nft', 'iptables-legacy'"},
+		{"backend=iptables", "at '/backend'"},
+		{"repair.action=nuke", "at '/repair/action': value must be one of 'repair', 'delete', 'label'"},
+		{"repair.exitCode=300", "at '/repair/exitCode'"},
+		{"repair.initContainerName=Bad_Name", "at '/repair/initContainerName'"},
+		{"repair.netnsDirs={relative/dir}", "at '/repair/netnsDirs/0'"},
+		{"cniBinDir=opt/cni/bin", "at '/cniBinDir'"},
+		{"cniConfDir=/a\\,b", "at '/cniConfDir'"},
+		{"cniConfFileName=../etc/passwd", "at '/cniConfFileName'"},
+		{"standaloneFileName=meshcni.conf", "at '/standaloneFileName'"},
+		{"chained=maybe", "at '/chained'"},
+		{"logLevel=verbose", "at '/logLevel'"},
+		{"pullPolicy=Sometimes", "at '/pullPolicy'"},
+		{"excludeNamespaces={Kube_System}", "at '/excludeNamespaces/0'"},
+		{"metrics.port=0", "at '/metrics/port'"},
+		{"metrics.port=70000", "at '/metrics/port'"},
+		{"taintController.gracePeriod=soon", "at '/taintController/gracePeriod'"},
+		{"taintController.leaderElect=false", "at '/taintController/replicas'"},
+		{"apiServer.port=-1", "at '/apiServer/port'"},
+		{"hub=", "at '/hub'"},
+		{"tpyo=1", "additional properties 'tpyo' not allowed"},
+		{"repair.actoin=delete", "additional properties 'actoin' not allowed"},
+	} {
+		t.Run(tc.set, func(t *testing.T) {
+			_, err := runHelm(t, templateArgs(namespace, []string{tc.set})...)
+			if err == nil || !strings.Contains(err.Error(), "values don't meet the specifications of the schema") || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("helm template --set %s: %v\nwant the schema error %q", tc.set, err, tc.want)
+			}
+			if _, err := runHelm(t, "lint", chartDir, "--strict", "--set", tc.set); err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("helm lint --set %s: %v\nwant %q", tc.set, err, tc.want)
+			}
+		})
+	}
+}
