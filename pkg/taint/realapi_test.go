@@ -92,7 +92,8 @@ type env struct {
 	tb    *testbed.Testbed
 	cs    kubernetes.Interface
 	ns    string
-	label string // nodes of this test carry meshcni.test/taint=<label>
+	log   *taintLog // set by watchTaints
+	label string // nodes of this test carry meshcni.test/taint=<label> (unmanaged ones: <label>-not)
 }
 
 const testNodeLabel = "meshcni.test/taint"
@@ -118,7 +119,7 @@ func newEnv(t *testing.T, ns, label string) *env {
 	}
 	t.Cleanup(func() {
 		ctx := context.Background()
-		_ = e.cs.CoreV1().Nodes().DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{LabelSelector: testNodeLabel + "=" + label})
+		_ = e.cs.CoreV1().Nodes().DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{LabelSelector: testNodeLabel + " in (" + label + "," + label + "-not)"})
 		_ = e.cs.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{})
 	})
 	return e
@@ -287,12 +288,13 @@ func (e *env) deleteAgent(name string, force bool) {
 	}
 }
 
-// waitTaint waits until the node's taint is as wanted and returns how long that took.
+// waitTaint waits until the node's taint is as wanted, in the API and in the test's
+// watch (if any), and returns how long that took.
 func (e *env) waitTaint(name string, want bool, within time.Duration) time.Duration {
 	e.t.Helper()
 	began := time.Now()
 	for {
-		if HasTaint(e.node(name)) == want {
+		if HasTaint(e.node(name)) == want && (e.log == nil || e.log.state(name) == want) {
 			return time.Since(began)
 		}
 		if time.Since(began) > within {
@@ -382,7 +384,15 @@ func (e *env) watchTaints() *taintLog {
 	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
 		e.t.Fatal("taint watch not synced")
 	}
+	e.log = l
 	return l
+}
+
+// state is the taint's presence on node as the watch last saw it.
+func (l *taintLog) state(node string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.last[node]
 }
 
 // of returns the flips of one node (all nodes: "").
@@ -509,28 +519,51 @@ func TestTaintLifecycle(t *testing.T) {
 		}
 	})
 
+	t.Run("a node outside --node-selector is never touched", func(t *testing.T) {
+		e.t = t
+		n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "life-unmanaged", Labels: map[string]string{testNodeLabel: e.label + "-not"}}}
+		if _, err := e.cs.CoreV1().Nodes().Create(e.ctx, n, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		// A managed new node is tainted within ~30 ms (first subtest); this one has no
+		// agent pod either.
+		time.Sleep(500 * time.Millisecond)
+		if got := e.node("life-unmanaged").Spec.Taints; !reflect.DeepEqual(got, []corev1.Taint{nodeNotReady}) {
+			t.Fatalf("unmanaged node's taints %v, want only the API server's", got)
+		}
+	})
+
 	t.Run("a stale base never drops a taint written meanwhile", func(t *testing.T) {
 		e.t = t
-		stale := e.node("life-roll")
-		fresh := stale.DeepCopy()
+		// On the unmanaged node, so that the running controller stays out of it.
+		stale := e.node("life-unmanaged")
 		other := corev1.Taint{Key: "example.com/added-meanwhile", Effect: corev1.TaintEffectNoSchedule}
+		fresh := stale.DeepCopy()
 		fresh.Spec.Taints = append(fresh.Spec.Taints, other)
 		if _, err := e.cs.CoreV1().Nodes().Update(e.ctx, fresh, metav1.UpdateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		// Straight through setTaint with the stale copy: the first patch conflicts, the
-		// retry reads the node again.
+		// setTaint from the stale copy: the patch carries its resourceVersion, the API
+		// server answers Conflict, the retry reads the node again.
 		changed, err := setTaint(e.ctx, e.cs, stale, true)
 		if err != nil || !changed {
-			t.Fatalf("setTaint: changed %v, %v", changed, err)
+			t.Fatalf("add: changed %v, %v", changed, err)
 		}
-		if got := e.node("life-roll").Spec.Taints; !reflect.DeepEqual(got, []corev1.Taint{nodeNotReady, other, Taint()}) {
+		if got := e.node("life-unmanaged").Spec.Taints; !reflect.DeepEqual(got, []corev1.Taint{nodeNotReady, other, Taint()}) {
 			t.Fatalf("taints %v, want the one added meanwhile kept", got)
 		}
-		// The controller takes its taint off again (agent Ready); the other stays.
-		e.waitTaint("life-roll", false, 5*time.Second)
-		if got := e.node("life-roll").Spec.Taints; !reflect.DeepEqual(got, []corev1.Taint{nodeNotReady, other}) {
-			t.Fatalf("taints %v, want only the other", got)
+		// Removal from the same stale copy (which has neither taint).
+		stale.Spec.Taints = append(stale.Spec.Taints, Taint())
+		changed, err = setTaint(e.ctx, e.cs, stale, false)
+		if err != nil || !changed {
+			t.Fatalf("remove: changed %v, %v", changed, err)
+		}
+		if got := e.node("life-unmanaged").Spec.Taints; !reflect.DeepEqual(got, []corev1.Taint{nodeNotReady, other}) {
+			t.Fatalf("taints %v, want only ours removed", got)
+		}
+		// Nothing to do: no write.
+		if changed, err := setTaint(e.ctx, e.cs, e.node("life-unmanaged"), false); err != nil || changed {
+			t.Fatalf("no-op: changed %v, %v", changed, err)
 		}
 	})
 
@@ -553,8 +586,6 @@ func TestTaintLifecycle(t *testing.T) {
 				removes++
 			}
 		}
-		// The stale-base subtest's direct setTaint is one add the controller did not make.
-		adds--
 		for _, want := range []string{
 			"meshcni_taint_nodes_tainted 1\n",
 			"meshcni_taint_leader 1\n",
@@ -583,4 +614,137 @@ func get(t *testing.T, url string) (int, string) {
 		t.Fatal(err)
 	}
 	return resp.StatusCode, string(b)
+}
+
+// TestTwoReplicas: two controllers with different identities on one real Lease. Exactly
+// one leads; only it writes (counted at the HTTP level and as Events); the taints
+// converge and stay. Killing the leader without releasing the Lease (a crash) hands over
+// within the lease duration; a graceful stop releases it at once.
+func TestTwoReplicas(t *testing.T) {
+	e := newEnv(t, "meshcni-taint-ha", "ha")
+	log := e.watchTaints()
+	cfgA := e.config("replica-a")
+	cfgA.KeepLeaseOnExit = true // its stop is a crash: the Lease is not released
+	a := e.start(cfgA)
+	e.eventually(5*time.Second, "replica-a leads", a.leading)
+	b := e.start(e.config("replica-b"))
+	lease := func() string {
+		l, err := e.cs.CoordinationV1().Leases(e.ns).Get(e.ctx, cfgA.LeaseName, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l.Spec.HolderIdentity == nil {
+			return ""
+		}
+		return *l.Spec.HolderIdentity
+	}
+	e.eventually(5*time.Second, "replica-b's caches synced", func() bool { return b.c.Ready() == nil })
+
+	// Exactly one leader at every sample over 6 retry periods, and the Lease names it.
+	for end := time.Now().Add(3 * time.Second); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		if !a.leading() || b.leading() {
+			t.Fatalf("leading: a=%v b=%v, want a only", a.leading(), b.leading())
+		}
+	}
+	if h := lease(); h != "replica-a" {
+		t.Fatalf("Lease holder %q, want replica-a", h)
+	}
+
+	// Drive three nodes: created (tainted at once), two agents Ready (untainted), one
+	// agent lost (tainted after the grace), one agent never Ready.
+	for _, n := range []string{"ha-1", "ha-2", "ha-3"} {
+		e.createNode(n)
+		e.waitTaint(n, true, time.Second)
+	}
+	e.createAgent("agent-ha-1", "ha-1", true)
+	e.createAgent("agent-ha-2", "ha-2", true)
+	e.createAgent("agent-ha-3", "ha-3", false)
+	e.waitTaint("ha-1", false, 5*time.Second)
+	e.waitTaint("ha-2", false, 5*time.Second)
+	e.deleteAgent("agent-ha-2", true)
+	e.waitTaint("ha-2", true, cfgA.GracePeriod+2*time.Second)
+	// Converged: it stays so (no fight, no flapping) over several renewals.
+	time.Sleep(2 * time.Second)
+	want := map[string]bool{"ha-1": false, "ha-2": true, "ha-3": true}
+	for n, tainted := range want {
+		if HasTaint(e.node(n)) != tainted {
+			t.Errorf("node %s tainted=%v, want %v", n, !tainted, tainted)
+		}
+	}
+	flips := log.of("")
+	if len(flips) != 6 { // 3 new-node adds, 2 removes, 1 add after the grace
+		t.Fatalf("taint changed %d times, want 6: %+v", len(flips), flips)
+	}
+	if a.changes(Add) != 4 || a.changes(Remove) != 2 || a.nodeWrites.Load() != 6 {
+		t.Errorf("leader: %d adds, %d removes, %d node writes; want 4, 2, 6", a.changes(Add), a.changes(Remove), a.nodeWrites.Load())
+	}
+	if b.changes(Add)+b.changes(Remove) != 0 || b.nodeWrites.Load() != 0 {
+		t.Errorf("follower wrote: %d changes, %d node writes; want none", b.changes(Add)+b.changes(Remove), b.nodeWrites.Load())
+	}
+	wantEvents := map[string][2]int{"ha-1": {1, 1}, "ha-2": {2, 1}, "ha-3": {1, 0}}
+	e.eventually(5*time.Second, "one Event per change", func() bool {
+		for n, w := range wantEvents {
+			if e.events(n, ReasonTaintAdded) != w[0] || e.events(n, ReasonTaintRemoved) != w[1] {
+				return false
+			}
+		}
+		return true
+	})
+	if !a.leading() || b.leading() {
+		t.Errorf("leader gauges: a=%v b=%v, want a only", a.leading(), b.leading())
+	}
+
+	// Crash the leader: the follower takes over once the Lease expires, not before.
+	killed := time.Now()
+	a.stop(t)
+	l, err := e.cs.CoordinationV1().Leases(e.ns).Get(e.ctx, cfgA.LeaseName, metav1.GetOptions{})
+	if err != nil || l.Spec.RenewTime == nil || *l.Spec.HolderIdentity != "replica-a" {
+		t.Fatalf("Lease after replica-a died: %+v, %v", l, err)
+	}
+	lastRenew := l.Spec.RenewTime.Time
+	e.eventually(cfgA.LeaseDuration+5*cfgA.RetryPeriod, "replica-b takes over", b.leading)
+	l, err = e.cs.CoordinationV1().Leases(e.ns).Get(e.ctx, cfgA.LeaseName, metav1.GetOptions{})
+	if err != nil || l.Spec.AcquireTime == nil || *l.Spec.HolderIdentity != "replica-b" {
+		t.Fatalf("Lease after the takeover: %+v, %v", l, err)
+	}
+	gap := l.Spec.AcquireTime.Sub(lastRenew)
+	t.Logf("replica-b leads %s after replica-a died without releasing the Lease, %s after its last renewal (lease duration %s, retry period %s)",
+		time.Since(killed).Round(time.Millisecond), gap.Round(time.Millisecond), cfgA.LeaseDuration, cfgA.RetryPeriod)
+	// client-go: a candidate takes over once it has seen no renewal for a lease
+	// duration; it looks every retry period (× up to 1.2 jitter), so it sees the last
+	// renewal and the expiry up to one look late each (+ slack for a loaded machine).
+	if gap < cfgA.LeaseDuration || gap > cfgA.LeaseDuration+4*cfgA.RetryPeriod {
+		t.Errorf("takeover %s after the last renewal, want within [%s, %s]", gap, cfgA.LeaseDuration, cfgA.LeaseDuration+4*cfgA.RetryPeriod)
+	}
+	// The new leader re-reads every node and finds nothing to change.
+	time.Sleep(500 * time.Millisecond)
+	if n := len(log.of("")); n != 6 || b.nodeWrites.Load() != 0 {
+		t.Fatalf("the takeover changed taints: %d changes, %d writes by replica-b", n-6, b.nodeWrites.Load())
+	}
+	// It acts on changes: ha-3's agent turns Ready.
+	e.setReady("agent-ha-3", true)
+	e.waitTaint("ha-3", false, 5*time.Second)
+	if b.changes(Remove) != 1 || b.nodeWrites.Load() != 1 || a.nodeWrites.Load() != 6 {
+		t.Errorf("after takeover: replica-b %d removes, %d writes; replica-a %d writes", b.changes(Remove), b.nodeWrites.Load(), a.nodeWrites.Load())
+	}
+
+	// A graceful stop releases the Lease: a standby takes over within a retry period.
+	c := e.start(e.config("replica-c"))
+	e.eventually(5*time.Second, "replica-c's caches synced", func() bool { return c.c.Ready() == nil })
+	time.Sleep(cfgA.RetryPeriod * 2)
+	if c.leading() {
+		t.Fatal("replica-c leads while replica-b holds the Lease")
+	}
+	stopped := time.Now()
+	b.stop(t)
+	e.eventually(cfgA.LeaseDuration, "replica-c takes over", c.leading)
+	t.Logf("replica-c leads %s after replica-b stopped and released the Lease", time.Since(stopped).Round(time.Millisecond))
+	if h := lease(); h != "replica-c" {
+		t.Errorf("Lease holder %q, want replica-c", h)
+	}
+	e.deleteAgent("agent-ha-1", true)
+	e.waitTaint("ha-1", true, cfgA.GracePeriod+2*time.Second)
+	if c.nodeWrites.Load() != 1 || len(log.of("")) != 8 {
+		t.Errorf("replica-c: %d writes, %d changes in all; want 1 and 8", c.nodeWrites.Load(), len(log.of("")))
+	}
 }
