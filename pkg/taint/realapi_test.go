@@ -93,7 +93,7 @@ type env struct {
 	cs    kubernetes.Interface
 	ns    string
 	log   *taintLog // set by watchTaints
-	label string // nodes of this test carry meshcni.test/taint=<label> (unmanaged ones: <label>-not)
+	label string    // nodes of this test carry meshcni.test/taint=<label> (unmanaged ones: <label>-not)
 }
 
 const testNodeLabel = "meshcni.test/taint"
