@@ -21,7 +21,7 @@ var manifestSets = []struct {
 	what   string
 }{
 	{"manifests/meshcni.yaml", nil, "chained mode (the chart's default values)"},
-	{"manifests/meshcni-standalone.yaml", []string{"chained=false"}, "standalone mode (chained=false: Multus, OpenShift)"},
+	{"manifests/meshcni-standalone.yaml", []string{"chained=false", "cniConfDir=/etc/cni/multus/net.d"}, "standalone mode (chained=false, in Multus' /etc/cni/multus/net.d)"},
 }
 
 // manifest renders one set: a header, the Namespace (Pod Security Admission: privileged),

@@ -67,9 +67,10 @@ func matrix() []matrixCase {
 				t.Error("KUBERNETES_SERVICE_HOST set by default")
 			}
 		}},
-		{name: "standalone", values: []string{"chained=false", "cniConfDir=/etc/kubernetes/cni/net.d", "cniConfFileName=00-multus.conf"}, check: func(t *testing.T, c *chart) {
+		{name: "openshift-standalone", values: []string{"chained=false", "cniConfDir=/etc/cni/multus/net.d", "cniBinDir=/var/lib/cni/bin", "cniConfFileName=00-multus.conf", "securityContext.privileged=true"}, check: func(t *testing.T, c *chart) {
 			a := c.agentC
-			if a.Chained || a.StandaloneFileName != "meshcni.conflist" || a.CNIConfDir != "/etc/kubernetes/cni/net.d" || a.CNIConfFileName != "" {
+			if a.Chained || a.StandaloneFileName != "meshcni.conflist" || a.CNIConfDir != "/etc/cni/multus/net.d" || a.CNIConfFileName != "" ||
+				!*c.agent.Spec.Template.Spec.Containers[0].SecurityContext.Privileged {
 				t.Errorf("agent config %+v", a)
 			}
 		}},
