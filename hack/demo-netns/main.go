@@ -3,7 +3,8 @@
 // proxy (meshcni-proxysim) as UID 1337 inside it, applies meshcni's rules with the
 // engine, and connects out and in as an application UID and as the proxy UID. It
 // prints what the proxy saw, with the original destinations, and exits non-zero if
-// anything did not happen as shown. Run it as root: `make demo`.
+// anything did not happen as shown. Run it as root: `make demo-netns` (`make demo` is
+// the full demo on the test bed's Kubernetes, hack/demo).
 package main
 
 import (

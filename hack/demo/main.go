@@ -1,0 +1,138 @@
+// Command demo is `make demo` and `make demo-down` (the logic is pkg/demo).
+//
+//	demo [up] [--tag dev] [--hub meshcni.local]
+//	    build the image, start the test bed (hack/testbed build + up, or use the one
+//	    running), install meshcni with its Helm chart, run the demo app and print what
+//	    happened; exit 1 if anything did not happen as shown. Everything stays up to
+//	    be explored (eval "$(hack/testbed env)"; kubectl -n meshcni-demo get pods).
+//	demo down
+//	    remove the demo app and the meshcni release, then stop the test bed
+//	    (hack/testbed down).
+//
+// Run as root.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/meshcni/meshcni/pkg/demo"
+	"github.com/meshcni/meshcni/pkg/images"
+	"github.com/meshcni/meshcni/pkg/testbed"
+)
+
+func main() {
+	args := os.Args[1:]
+	cmd := "up"
+	if len(args) > 0 && (args[0] == "up" || args[0] == "down") {
+		cmd, args = args[0], args[1:]
+	}
+	fs := flag.NewFlagSet("demo "+cmd, flag.ExitOnError)
+	hub := fs.String("hub", images.DefaultHub, "image hub")
+	tag := fs.String("tag", images.DefaultTag, "image tag")
+	_ = fs.Parse(args)
+	if fs.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "demo: unexpected arguments %q\n", fs.Args())
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	var err error
+	switch cmd {
+	case "up":
+		err = up(ctx, log, *hub, *tag)
+	case "down":
+		err = down(ctx, log)
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "demo %s: FAILED: %v\n", cmd, err)
+		os.Exit(1)
+	}
+}
+
+func root() (string, error) {
+	if os.Geteuid() != 0 {
+		return "", errors.New("run as root (the test bed is a real node: containerd, kubelet, network namespaces)")
+	}
+	return testbed.RepoRoot()
+}
+
+// hackTestbed runs hack/testbed with args, its output going to ours.
+func hackTestbed(ctx context.Context, dir string, args ...string) error {
+	cmd := exec.CommandContext(ctx, "bash", append([]string{filepath.Join(dir, "hack", "testbed")}, args...)...)
+	cmd.Dir = dir
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("hack/testbed %v: %w", args, err)
+	}
+	return nil
+}
+
+func up(ctx context.Context, log *slog.Logger, hub, tag string) error {
+	began := time.Now()
+	dir, err := root()
+	if err != nil {
+		return err
+	}
+	if err := hackTestbed(ctx, dir, "build"); err != nil {
+		return err
+	}
+	if _, _, ok := testbed.Running(); !ok {
+		// A test may hold the test bed (one per machine): wait for it.
+		for logged := false; ; logged = true {
+			pid, _, busy := testbed.Busy()
+			if !busy {
+				break
+			}
+			if !logged {
+				log.Info("demo: waiting for the test bed's current user to finish", "pid", pid)
+			}
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(time.Second):
+			}
+		}
+		if err := hackTestbed(ctx, dir, "up"); err != nil {
+			return err
+		}
+	} else {
+		log.Info("demo: using the running test bed")
+	}
+	tb, err := testbed.Attach(ctx)
+	if err != nil {
+		return err
+	}
+	_, err = demo.Run(ctx, tb, demo.Options{RepoRoot: dir, Hub: hub, Tag: tag, Out: os.Stdout, Log: log, Keep: true})
+	fmt.Printf("\ndemo took %s. Everything is still running: eval \"$(hack/testbed env)\"; kubectl -n %s get pods -o wide; make demo-down removes it.\n",
+		time.Since(began).Round(time.Second), demo.Namespace)
+	return err
+}
+
+func down(ctx context.Context, log *slog.Logger) error {
+	dir, err := root()
+	if err != nil {
+		return err
+	}
+	if _, _, ok := testbed.Running(); ok {
+		tb, err := testbed.Attach(ctx)
+		if err != nil {
+			return err
+		}
+		if err := demo.Down(ctx, tb, dir, "", 0); err != nil {
+			return err
+		}
+		log.Info("demo: app and meshcni removed")
+	}
+	return hackTestbed(ctx, dir, "down")
+}

@@ -1,0 +1,186 @@
+package demo
+
+import (
+	"bytes"
+	"context"
+	"flag"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/pkg/images"
+	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/proxysim"
+	"github.com/meshcni/meshcni/pkg/testbed"
+)
+
+var update = flag.Bool("update", false, "rewrite testdata/*.golden")
+
+func TestMain(m *testing.M) { os.Exit(testbed.RunMain(m)) }
+
+// TestPods: the plugin's own decision logic meshes the meshed pod only, with the
+// proxy UID 1337, and no demo container asks for a capability.
+func TestPods(t *testing.T) {
+	pods := Pods("meshcni.local/meshcni:dev")
+	want := map[string]bool{MeshedPod: true, PlainPod: false, ServerPod: false}
+	if len(pods) != len(want) {
+		t.Fatalf("%d pods", len(pods))
+	}
+	for _, p := range pods {
+		if p.Namespace != Namespace {
+			t.Errorf("%s: namespace %q", p.Name, p.Namespace)
+		}
+		d := podspec.Decide(p, podspec.Config{ExcludeNamespaces: []string{"kube-system"}})
+		if d.Meshed != want[p.Name] {
+			t.Errorf("%s: meshed=%v (%s), want %v", p.Name, d.Meshed, d.Reason, want[p.Name])
+		}
+		for _, c := range append(append([]corev1.Container{}, p.Spec.InitContainers...), p.Spec.Containers...) {
+			if sc := c.SecurityContext; sc != nil && sc.Capabilities != nil && len(sc.Capabilities.Add) > 0 {
+				t.Errorf("%s/%s adds capabilities %v", p.Name, c.Name, sc.Capabilities.Add)
+			}
+			if p.Name != ServerPod && (c.SecurityContext == nil || c.SecurityContext.RunAsUser == nil || *c.SecurityContext.RunAsUser == 0) {
+				t.Errorf("%s/%s does not run as a non-root UID", p.Name, c.Name)
+			}
+		}
+		if p.Name == MeshedPod {
+			s, err := podspec.Spec(p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(s.ProxyUIDs) != 1 || s.ProxyUIDs[0] != ProxyUID {
+				t.Errorf("proxy UIDs %v, want [%d]", s.ProxyUIDs, ProxyUID)
+			}
+		}
+	}
+}
+
+func TestParseRecords(t *testing.T) {
+	logs := strings.Join([]string{
+		`{"time":"2026-01-01T00:00:00Z","level":"INFO","msg":"listening"}`,
+		`{"event":"ready","listeners":["outbound 0.0.0.0:15001"],"uid":1337,"gid":1337,"time":"2026-01-01T00:00:00Z"}`,
+		`not json at all`,
+		`{"event":"conn","listener":"outbound","proto":"tcp","peer":"10.213.0.7:40000","local":"127.0.0.1:15001","orig_dst":"10.213.0.5:8080","uid":1337,"gid":1337,"time":"2026-01-01T00:00:00Z"}`,
+		`{"event":"conn","broken"`,
+		``,
+	}, "\n")
+	recs := parseRecords(logs)
+	if len(recs) != 2 || recs[0].Event != proxysim.EventReady || recs[1].Event != proxysim.EventConn {
+		t.Fatalf("records %+v", recs)
+	}
+	if recs[1].OrigDst != netip.MustParseAddrPort("10.213.0.5:8080") || recs[1].Peer != netip.MustParseAddrPort("10.213.0.7:40000") {
+		t.Errorf("record %+v", recs[1])
+	}
+}
+
+func TestSeenSource(t *testing.T) {
+	for _, tc := range []struct {
+		to, reply, want string
+	}{
+		{ServerPod, "server 10.213.0.7:41234\nhello from meshed\n", "10.213.0.7:41234"},
+		{ServerPod, "server\n", ""},
+		{ServerPod, "", ""},
+		{PlainPod, `{"event":"conn","listener":"inbound","peer":"127.0.0.6:39999","local":"10.213.0.8:9080","uid":1000,"gid":1000,"time":"2026-01-01T00:00:00Z"}` + "\n", "127.0.0.6:39999"},
+		{MeshedPod, "garbage", ""},
+	} {
+		got := seenSource(tc.to, tc.reply)
+		if (tc.want == "" && got.IsValid()) || (tc.want != "" && got.String() != tc.want) {
+			t.Errorf("seenSource(%s, %q) = %v, want %q", tc.to, tc.reply, got, tc.want)
+		}
+	}
+}
+
+func TestPrintGolden(t *testing.T) {
+	tr := true
+	rep := &Report{
+		Image: &images.Result{Ref: "meshcni.local/meshcni:dev", ArchiveSize: 34_100_000, IndexDigest: "sha256:0123"},
+		Steps: []Step{{"image built", 12 * time.Second}, {"agent ready", 1500 * time.Millisecond}},
+		Pods: []PodRow{
+			{Pod: "meshcni-demo/meshed", IP: "10.213.0.9", Meshed: true, Reason: "istio-proxy sidecar container injected by Istio", Rules: "nftables (in-sync)", Validation: "passed (exit 0)", ProxyConns: 3},
+			{Pod: "meshcni-demo/plain", IP: "10.213.0.8", Reason: "no istio-proxy container", Rules: "none (not-meshed)", Validation: "-", ProxyConns: -1},
+		},
+		Connections: []ConnRow{
+			{From: "meshed/app (uid 1000)", To: "server 10.213.0.7:8080", Captured: "outbound :15001", OrigDst: "10.213.0.7:8080", SeenSource: "10.213.0.9", OK: true, want: "captured on outbound"},
+			{From: "meshed/istio-proxy (uid 1337)", To: "server 10.213.0.7:8080", Captured: "no", OrigDst: "-", SeenSource: "10.213.0.9", OK: false, want: "not captured"},
+		},
+		Inspect: &InspectReport{Pod: "meshcni-demo/meshed", Meshed: &tr, Netns: "/run/x/cni-1", Status: "in-sync",
+			Live: map[string]string{"nftables": "table inet meshcni {\n  chain output {\n  }\n}\n", "iptables-nft": " \n"}, Command: "meshcnictl inspect meshcni-demo/meshed"},
+		Failures: []string{"meshed/istio-proxy (uid 1337) → server 10.213.0.7:8080: the proxy captured it"},
+	}
+	var buf bytes.Buffer
+	Print(&buf, rep)
+	golden := filepath.Join("testdata", "report.golden")
+	if *update {
+		if err := os.MkdirAll("testdata", 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(golden, buf.Bytes(), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, err := os.ReadFile(golden)
+	if err != nil {
+		t.Fatalf("%v (run with -update)", err)
+	}
+	if !bytes.Equal(buf.Bytes(), want) {
+		t.Errorf("report differs from %s (run with -update):\n%s", golden, buf.String())
+	}
+}
+
+// TestDemo is `make demo` end to end on the real test bed: image built and imported,
+// chart installed with Helm, agent DaemonSet ready and plugin installed by it, demo
+// pods, traffic, inspect, then uninstall (the agent must take the plugin out of the
+// node). Under CI=true it must run.
+func TestDemo(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireBinary(t, "go")
+	testutil.RequireBinary(t, "ctr")
+	root, err := testbed.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tb := testbed.Shared(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	var out bytes.Buffer
+	began := time.Now()
+	rep, err := Run(ctx, tb, Options{RepoRoot: root, Out: &out, Keep: false})
+	t.Logf("demo output:\n%s", out.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("demo took %s", time.Since(began).Round(time.Millisecond))
+	if len(rep.Connections) != len(probes()) {
+		t.Errorf("%d connections in the report, want %d", len(rep.Connections), len(probes()))
+	}
+	captured := 0
+	for _, c := range rep.Connections {
+		if !c.OK {
+			t.Errorf("connection not as expected: %+v", c)
+		}
+		if c.Captured != "no" {
+			captured++
+		}
+	}
+	if captured != 3 {
+		t.Errorf("%d connections captured, want 3", captured)
+	}
+	if rep.Inspect == nil || rep.Inspect.Status != "in-sync" || len(rep.Inspect.Backends()) != 1 {
+		t.Errorf("inspect of the meshed pod: %+v", rep.Inspect)
+	}
+	for _, want := range []string{"REDIRECTED", "outbound :15001", "inbound :15006", "127.0.0.6", "OK: "} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("output lacks %q", want)
+		}
+	}
+	// Uninstalled: the agent removed the plugin from the node.
+	bin, entry, err := pluginState("")
+	if err != nil || bin || entry {
+		t.Errorf("after the demo: plugin binary %v, entry %v, err %v", bin, entry, err)
+	}
+}
