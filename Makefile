@@ -32,8 +32,25 @@ test: lint unit
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem ./pkg/...
 
-demo: build
-	$(GO) run ./hack/demo
+# --- Image and demo (docs/demo.md) ---
+.PHONY: images demo-netns
+HUB ?= meshcni.local
+TAG ?= dev
+ARCH ?=
+# The meshcni image without Docker (pkg/images): $(BIN)/images/meshcni-$(TAG).tar, an OCI
+# layout tarball for `ctr images import` / `docker load`. ARCH=amd64,arm64: an index of both.
+images:
+	$(GO) run ./hack/images --hub $(HUB) --tag $(TAG) $(if $(ARCH),--arch $(ARCH)) --out $(BIN)/images/meshcni-$(TAG).tar
+# The README's main command (root): packages, image, test bed, Helm install, demo app, report.
+# Everything stays up afterwards; demo-down removes it (helm uninstall, test bed down).
+demo:
+	bash hack/deps
+	$(GO) run ./hack/demo up --hub $(HUB) --tag $(TAG)
+demo-down:
+	$(GO) run ./hack/demo down
+# The first demo: meshcni's rules in a bare network namespace, no Kubernetes.
+demo-netns: build
+	$(GO) run ./hack/demo-netns
 
 clean:
 	rm -rf $(BIN)

@@ -425,3 +425,56 @@ func TestGoBuildStatic(t *testing.T) {
 		t.Error("GoBuild of a missing command: no error")
 	}
 }
+
+// TestDockerfileMatchesBuilder keeps the Dockerfile (for Docker users, not run in CI)
+// in step with this builder: same flags, paths, entrypoint, PATH, labels, base, no
+// USER, and the Go version of go.mod.
+func TestDockerfileMatchesBuilder(t *testing.T) {
+	root, err := testbed.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(filepath.Join(root, "Dockerfile"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	df := string(b)
+	gomod, err := os.ReadFile(filepath.Join(root, "go.mod"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var goVersion string
+	for line := range strings.SplitSeq(string(gomod), "\n") {
+		if v, ok := strings.CutPrefix(line, "go "); ok {
+			goVersion = strings.TrimSpace(v)
+		}
+	}
+	opts := imageOptions("meshcni.local/meshcni:dev", HostArch(), map[string]string{}, nil)
+	want := []string{
+		"ARG GO_VERSION=" + goVersion + "\n",
+		"export CGO_ENABLED=0 GOOS=linux",
+		`go build -trimpath -ldflags="-s -w -X main.version=$VERSION" -o /out/ ./cmd/...`,
+		"mv /out/" + PluginCommand + " /rootfs" + PluginPath + ";",
+		"mv /out/* /rootfs" + BinDir + "/",
+		"chmod 1777 /rootfs/tmp",
+		"\nFROM scratch\n",
+		"ENV " + opts.Env[0] + "\n",
+		`ENTRYPOINT ["` + opts.Entrypoint[0] + `"]`,
+	}
+	for k, v := range Labels("${VERSION}", "${REVISION}") {
+		want = append(want, k+`="`+v+`"`)
+	}
+	for _, w := range want {
+		if !strings.Contains(df, w) {
+			t.Errorf("Dockerfile lacks %q", w)
+		}
+	}
+	for line := range strings.SplitSeq(df, "\n") {
+		if strings.HasPrefix(strings.TrimSpace(line), "USER ") {
+			t.Errorf("Dockerfile sets a user (%q); the image has none: the agent runs as root", line)
+		}
+	}
+	if len(opts.Env) != 1 || len(opts.Entrypoint) != 1 {
+		t.Errorf("builder env %v entrypoint %v: update this test and the Dockerfile", opts.Env, opts.Entrypoint)
+	}
+}
