@@ -88,7 +88,36 @@ func EnvName(flagName string) string { return flagenv.Name(EnvPrefix, flagName) 
 // beats its variable, which beats the default. Every value is parsed and checked.
 func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Config, error) {
 	c := &Config{}
-	fs := flag.NewFlagSet("meshcni-agent", flag.ContinueOnError)
+	fs, finish := c.flagSet(usage)
+	if err := flagenv.Bind(fs, EnvPrefix, getenv); err != nil {
+		return nil, err
+	}
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	if err := finish(); err != nil {
+		return nil, err
+	}
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// FlagSet returns the agent's flags with their defaults, for documentation
+// (internal/refdoc).
+func FlagSet() *flag.FlagSet {
+	fs, _ := (&Config{}).flagSet(io.Discard)
+	return fs
+}
+
+// flagSet defines every flag on a new FlagSet bound to c; finish turns the
+// string-typed flags into c's fields once the FlagSet is parsed.
+func (c *Config) flagSet(usage io.Writer) (fs *flag.FlagSet, finish func() error) {
+	fs = flag.NewFlagSet("meshcni-agent", flag.ContinueOnError)
 	fs.SetOutput(usage)
 	var excl, logLevel string
 	fs.StringVar(&c.CNIBinDir, "cni-bin-dir", "/opt/cni/bin", "CNI plugin directory of the node (GKE: /home/kubernetes/bin, k3s: /var/lib/rancher/k3s/data/current/bin)")
@@ -117,32 +146,18 @@ func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Co
 	fs.StringVar(&c.PodNamespace, "pod-namespace", "", "the agent's pod namespace (downward API)")
 	fs.StringVar(&c.NodeName, "node-name", "", "the node's name (downward API)")
 	finishRepair := c.repairFlags(fs)
-
-	if err := flagenv.Bind(fs, EnvPrefix, getenv); err != nil {
-		return nil, err
-	}
-	if err := fs.Parse(args); err != nil {
-		return nil, err
-	}
-	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
-	}
-	if err := c.LogLevel.UnmarshalText([]byte(logLevel)); err != nil {
-		return nil, fmt.Errorf("--log-level %q: want debug, info, warn or error", logLevel)
-	}
-	c.ExcludeNamespaces = []string{}
-	for _, ns := range strings.Split(excl, ",") {
-		if ns = strings.TrimSpace(ns); ns != "" {
-			c.ExcludeNamespaces = append(c.ExcludeNamespaces, ns)
+	return fs, func() error {
+		if err := c.LogLevel.UnmarshalText([]byte(logLevel)); err != nil {
+			return fmt.Errorf("--log-level %q: want debug, info, warn or error", logLevel)
 		}
+		c.ExcludeNamespaces = []string{}
+		for _, ns := range strings.Split(excl, ",") {
+			if ns = strings.TrimSpace(ns); ns != "" {
+				c.ExcludeNamespaces = append(c.ExcludeNamespaces, ns)
+			}
+		}
+		return finishRepair()
 	}
-	if err := finishRepair(); err != nil {
-		return nil, err
-	}
-	if err := c.validate(); err != nil {
-		return nil, err
-	}
-	return c, nil
 }
 
 func (c *Config) validate() error {
