@@ -227,7 +227,7 @@ func Start(t testing.TB, o Options) *Agent {
 	t.Cleanup(func() {
 		a.Stop()
 		if t.Failed() {
-			t.Logf("meshcni-agent log (%s):\n%s", a.LogPath, a.Log())
+			t.Logf("meshcni-agent pid %d: %s\nlog (%s):\n%s", a.PID, strings.Join(args, " "), a.LogPath, a.Log())
 		}
 		if !a.keep {
 			if diff := compare(conf, snapshot(t, o.ConfDir)); diff != "" {
@@ -245,7 +245,6 @@ func Start(t testing.TB, o Options) *Agent {
 		}
 		os.RemoveAll(runDir)
 	})
-	t.Logf("meshcni-agent pid %d: %s", a.PID, strings.Join(args, " "))
 
 	ctx, cancel := context.WithTimeout(context.Background(), o.Timeout)
 	defer cancel()
