@@ -65,3 +65,8 @@ chart-lint: helm
 # Re-render deploy/manifests from the chart (TestManifests fails when they are stale).
 manifests: helm
 	$(GO) test -count=1 ./deploy -run '^TestManifests$$' -update
+
+# --- Generated configuration reference (internal/refdoc; its test fails when stale) ---
+.PHONY: reference
+reference:
+	$(GO) test -count=1 ./internal/refdoc -run '^TestReferenceUpToDate$$' -update

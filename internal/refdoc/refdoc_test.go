@@ -1,0 +1,118 @@
+package refdoc
+
+import (
+	"bytes"
+	"flag"
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/meshcni/meshcni/pkg/agent"
+	"github.com/meshcni/meshcni/pkg/podspec"
+)
+
+var update = flag.Bool("update", false, "rewrite docs/reference.md")
+
+const (
+	referencePath = "../../docs/reference.md"
+	valuesPath    = "../../deploy/charts/meshcni/values.yaml"
+)
+
+func input(t *testing.T) Input {
+	t.Helper()
+	values, err := ReadValues(valuesPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return Input{
+		Binaries: []Binary{
+			{Name: "meshcni-agent", EnvPrefix: agent.EnvPrefix, Doc: "The node agent (DaemonSet): installs and guards the plugin, serves health and metrics, repairs pods.", Flags: agent.FlagSet()},
+		},
+		Values:     values,
+		ValuesPath: "deploy/charts/meshcni/values.yaml",
+	}
+}
+
+// TestReferenceUpToDate fails when docs/reference.md is not what the code generates
+// now; `go test ./internal/refdoc -update` (make reference) rewrites it.
+func TestReferenceUpToDate(t *testing.T) {
+	got, err := Generate(input(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if *update {
+		if err := os.WriteFile(referencePath, got, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	want, err := os.ReadFile(referencePath)
+	if err != nil {
+		t.Fatalf("%v (generate it: make reference)", err)
+	}
+	if !bytes.Equal(got, want) {
+		gl, wl := strings.Split(string(got), "\n"), strings.Split(string(want), "\n")
+		for i := range max(len(gl), len(wl)) {
+			var g, w string
+			if i < len(gl) {
+				g = gl[i]
+			}
+			if i < len(wl) {
+				w = wl[i]
+			}
+			if g != w {
+				t.Fatalf("docs/reference.md is stale (run make reference); first difference at line %d:\n  code: %s\n  file: %s", i+1, g, w)
+			}
+		}
+	}
+}
+
+// TestReferenceCoversEverything checks the generated text names every pod setting,
+// plugin key and agent flag (so a section cannot silently go missing).
+func TestReferenceCoversEverything(t *testing.T) {
+	got, err := Generate(input(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := string(got)
+	for _, s := range podspec.Settings {
+		if !strings.Contains(text, "`"+s.Key+"`") {
+			t.Errorf("pod setting %s missing", s.Key)
+		}
+	}
+	agent.FlagSet().VisitAll(func(f *flag.Flag) {
+		if !strings.Contains(text, "`--"+f.Name+"` | `"+agent.EnvName(f.Name)+"`") {
+			t.Errorf("agent flag --%s missing", f.Name)
+		}
+	})
+}
+
+func TestValueRows(t *testing.T) {
+	rows, err := valueRows([]byte(`# -- image registry
+hub: example.io
+repair:
+  # on or off
+  enabled: true
+  # what to do
+  action: repair
+tolerations:
+  - operator: Exists
+empty: {}
+str: ""
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, r := range rows {
+		got = append(got, r.path+"="+r.def+"="+r.doc)
+	}
+	want := []string{"hub=example.io=image registry", "repair.enabled=true=on or off", "repair.action=repair=what to do",
+		"tolerations=[{operator: Exists}]=", "empty={}=", `str=""=`}
+	if strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Fatalf("rows:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+	if _, err := valueRows([]byte("a: [")); err == nil {
+		t.Fatal("bad YAML: want an error")
+	}
+}
