@@ -209,7 +209,7 @@ func (c *chart) checkAgent(t *testing.T) {
 			t.Errorf("agent env %s: meshcni-agent has no such flag", e.Name)
 		}
 	}
-	cfg, err := agent.ParseFlags(nil, getenv(t, ct), io.Discard)
+	cfg, err := agent.ParseFlags(ct.Args, getenv(t, ct), io.Discard)
 	if err != nil {
 		t.Fatalf("the agent rejects the rendered env: %v", err)
 	}
@@ -288,7 +288,7 @@ func (c *chart) checkTaint(t *testing.T) {
 			t.Errorf("taint controller env %s: meshcni-taint-controller has no such flag", e.Name)
 		}
 	}
-	cfg, err := taint.ParseFlags(nil, getenv(t, ct), io.Discard)
+	cfg, err := taint.ParseFlags(ct.Args, getenv(t, ct), io.Discard)
 	if err != nil {
 		t.Fatalf("the taint controller rejects the rendered env: %v", err)
 	}

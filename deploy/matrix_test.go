@@ -169,7 +169,8 @@ func matrix() []matrixCase {
 		}},
 		{name: "testbed", values: []string{"@testbed-values.yaml"}, check: func(t *testing.T, c *chart) {
 			if c.agentC.CNIBinDir != "/var/lib/meshcni-testbed/cni/bin" || agentEnv(c)["KUBERNETES_SERVICE_PORT"].Value != "6443" ||
-				c.agent.Spec.Template.Spec.Containers[0].Image != "meshcni.local/meshcni:dev" || *c.taint.Spec.Replicas != 1 {
+				c.agent.Spec.Template.Spec.Containers[0].Image != "meshcni.local/meshcni:dev" || *c.taint.Spec.Replicas != 1 ||
+				!c.agent.Spec.Template.Spec.HostPID || len(c.agentC.RepairNetnsDirs) != 0 {
 				t.Errorf("agent config %+v", c.agentC)
 			}
 		}},
