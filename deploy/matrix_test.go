@@ -102,8 +102,8 @@ func matrix() []matrixCase {
 				t.Errorf("repair config %+v", a)
 			}
 		}},
-		{name: "repair-hostproc", values: []string{"repair.hostProc=true", "repair.initContainerName=mesh-check", "repair.exitCode=42"}, check: func(t *testing.T, c *chart) {
-			if !c.agent.Spec.Template.Spec.HostPID || c.agentC.RepairInitContainer != "mesh-check" || c.agentC.RepairExitCode != 42 {
+		{name: "repair-hostproc", values: []string{"repair.hostProc=true", "repair.initContainerName=mesh-check", "repair.exitCode=42", `repair.message=no redirect.*`}, check: func(t *testing.T, c *chart) {
+			if !c.agent.Spec.Template.Spec.HostPID || c.agentC.RepairInitContainer != "mesh-check" || c.agentC.RepairExitCode != 42 || c.agentC.RepairMessage != "no redirect.*" {
 				t.Errorf("hostPID %v, config %+v", c.agent.Spec.Template.Spec.HostPID, c.agentC)
 			}
 		}},
