@@ -8,7 +8,9 @@ import (
 	"testing"
 
 	"github.com/meshcni/meshcni/pkg/agent"
+	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/taint"
 )
 
 var update = flag.Bool("update", false, "rewrite docs/reference.md")
@@ -27,6 +29,7 @@ func input(t *testing.T) Input {
 	return Input{
 		Binaries: []Binary{
 			{Name: "meshcni-agent", EnvPrefix: agent.EnvPrefix, Doc: "The node agent (DaemonSet): installs and guards the plugin, serves health and metrics, repairs pods.", Flags: agent.FlagSet()},
+			{Name: "meshcni-taint-controller", EnvPrefix: taint.EnvPrefix, Doc: "The taint controller (Deployment, leader-elected): keeps `cni.istio.io/not-ready:NoSchedule` on nodes whose agent is not Ready.", Flags: taint.FlagSet()},
 		},
 		Values:     values,
 		ValuesPath: "deploy/charts/meshcni/values.yaml",
@@ -80,11 +83,18 @@ func TestReferenceCoversEverything(t *testing.T) {
 			t.Errorf("pod setting %s missing", s.Key)
 		}
 	}
-	agent.FlagSet().VisitAll(func(f *flag.Flag) {
-		if !strings.Contains(text, "`--"+f.Name+"` | `"+agent.EnvName(f.Name)+"`") {
-			t.Errorf("agent flag --%s missing", f.Name)
+	for _, bin := range input(t).Binaries {
+		n := 0
+		bin.Flags.VisitAll(func(f *flag.Flag) {
+			n++
+			if !strings.Contains(text, "`--"+f.Name+"` | `"+flagenv.Name(bin.EnvPrefix, f.Name)+"`") {
+				t.Errorf("%s flag --%s missing", bin.Name, f.Name)
+			}
+		})
+		if n == 0 {
+			t.Errorf("%s: no flags", bin.Name)
 		}
-	})
+	}
 }
 
 func TestValueRows(t *testing.T) {

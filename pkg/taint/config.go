@@ -61,7 +61,37 @@ func (c *Config) Policy() Policy { return Policy{Grace: c.GracePeriod, TaintNewN
 // checked; --help returns flag.ErrHelp.
 func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Config, error) {
 	c := &Config{}
-	fs := flag.NewFlagSet("meshcni-taint-controller", flag.ContinueOnError)
+	fs, finish := c.flagSet(getenv("POD_NAMESPACE"), usage)
+	if err := flagenv.Bind(fs, EnvPrefix, getenv); err != nil {
+		return nil, err
+	}
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	if err := finish(); err != nil {
+		return nil, err
+	}
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// FlagSet returns the controller's flags with their defaults, for documentation
+// (internal/refdoc).
+func FlagSet() *flag.FlagSet {
+	fs, _ := (&Config{}).flagSet("", io.Discard)
+	return fs
+}
+
+// flagSet defines every flag on a new FlagSet bound to c (podNS: the downward API's
+// namespace, the default of the namespace flags); finish turns the string-typed
+// flags into c's fields once the FlagSet is parsed.
+func (c *Config) flagSet(podNS string, usage io.Writer) (fs *flag.FlagSet, finish func() error) {
+	fs = flag.NewFlagSet("meshcni-taint-controller", flag.ContinueOnError)
 	fs.SetOutput(usage)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), `meshcni-taint-controller keeps the taint %s:%s on every node whose meshcni agent
@@ -74,7 +104,6 @@ Flags (each also read from the environment variable named in brackets):
 `, TaintKey, TaintEffect)
 		fs.PrintDefaults()
 	}
-	podNS := getenv("POD_NAMESPACE")
 	var agentSel, nodeSel, logLevel string
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig of the API client; default: the pod's in-cluster service account")
 	fs.StringVar(&c.AgentNamespace, "agent-namespace", podNS, "namespace of the meshcni agent pods (default: $POD_NAMESPACE)")
@@ -94,34 +123,24 @@ Flags (each also read from the environment variable named in brackets):
 	fs.StringVar(&c.HealthAddr, "health-addr", ":9808", "listen address of /healthz, /readyz and /metrics (empty: none)")
 	fs.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn, error")
 
-	if err := flagenv.Bind(fs, EnvPrefix, getenv); err != nil {
-		return nil, err
-	}
-	if err := fs.Parse(args); err != nil {
-		return nil, err
-	}
-	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
-	}
-	if err := c.LogLevel.UnmarshalText([]byte(logLevel)); err != nil {
-		return nil, fmt.Errorf("--log-level %q: want debug, info, warn or error", logLevel)
-	}
-	var err error
-	if c.AgentSelector, err = labels.Parse(agentSel); err != nil {
-		return nil, fmt.Errorf("--agent-selector %q: %w", agentSel, err)
-	}
-	if c.NodeSelector, err = labels.Parse(nodeSel); err != nil {
-		return nil, fmt.Errorf("--node-selector %q: %w", nodeSel, err)
-	}
-	if c.Identity == "" && c.LeaderElect {
-		if c.Identity, err = defaultIdentity(); err != nil {
-			return nil, err
+	return fs, func() error {
+		if err := c.LogLevel.UnmarshalText([]byte(logLevel)); err != nil {
+			return fmt.Errorf("--log-level %q: want debug, info, warn or error", logLevel)
 		}
+		var err error
+		if c.AgentSelector, err = labels.Parse(agentSel); err != nil {
+			return fmt.Errorf("--agent-selector %q: %w", agentSel, err)
+		}
+		if c.NodeSelector, err = labels.Parse(nodeSel); err != nil {
+			return fmt.Errorf("--node-selector %q: %w", nodeSel, err)
+		}
+		if c.Identity == "" && c.LeaderElect {
+			if c.Identity, err = defaultIdentity(); err != nil {
+				return err
+			}
+		}
+		return nil
 	}
-	if err := c.Validate(); err != nil {
-		return nil, err
-	}
-	return c, nil
 }
 
 func defaultIdentity() (string, error) {
