@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"encoding/json"
 	"fmt"
 
 	corev1 "k8s.io/api/core/v1"
@@ -39,7 +38,7 @@ func AnswerPod(pods PodSource, req agentsock.PodRequest) (agentsock.PodResponse,
 	if req.UID != "" && string(pod.UID) != req.UID && pod.Annotations[mirrorAnnotation] != req.UID {
 		return agentsock.PodResponse{Reason: fmt.Sprintf("the cached pod has UID %s, not %s", pod.UID, req.UID)}, nil
 	}
-	b, err := json.Marshal(pod)
+	b, err := pod.Marshal()
 	if err != nil {
 		return agentsock.PodResponse{}, fmt.Errorf("encode pod %s/%s: %w", req.Namespace, req.Name, err)
 	}

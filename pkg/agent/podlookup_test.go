@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"encoding/json"
 	"strings"
 	"testing"
 
@@ -65,7 +64,7 @@ func TestAnswerPod(t *testing.T) {
 				return
 			}
 			var p corev1.Pod
-			if !resp.Found || json.Unmarshal(resp.Pod, &p) != nil || string(p.UID) != tc.wantUID || p.Name != tc.req.Name {
+			if !resp.Found || p.Unmarshal(resp.Pod) != nil || string(p.UID) != tc.wantUID || p.Name != tc.req.Name {
 				t.Fatalf("got %+v, want pod %s with UID %s", resp, tc.req.Name, tc.wantUID)
 			}
 		})

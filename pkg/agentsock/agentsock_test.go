@@ -279,7 +279,7 @@ func TestGetPod(t *testing.T) {
 		}
 		switch pr.Name {
 		case "web":
-			return json.Marshal(PodResponse{Found: true, Pod: json.RawMessage(`{"metadata":{"namespace":"` + pr.Namespace + `","name":"web","uid":"` + pr.UID + `"}}`)})
+			return json.Marshal(PodResponse{Found: true, Pod: []byte(pr.Namespace + "/web/" + pr.UID)})
 		case "broken":
 			return json.Marshal(PodResponse{Found: true})
 		}
@@ -295,7 +295,7 @@ func TestGetPod(t *testing.T) {
 	for _, tc := range []struct {
 		name, wantPod, wantReason, wantErr string
 	}{
-		{"web", `{"metadata":{"namespace":"ns","name":"web","uid":"u1"}}`, "", ""},
+		{"web", "ns/web/u1", "", ""},
 		{"other", "", "not cached", ""},
 		{"broken", "", "", "found without a pod"},
 	} {
@@ -319,9 +319,11 @@ func TestGetPod(t *testing.T) {
 	}
 }
 
-// TestRelease: descriptors handed to the agent are closed by it. The write end of a
-// pipe goes over; once the sender closes its own copy, the reader sees EOF only if the
-// agent closed the one it received. The stream goes on after the release message.
+// TestRelease: descriptors handed to the agent are held until the connection ends,
+// then closed by it. The write end of a pipe goes over; after the sender has closed
+// its own copy the reader does not see EOF while the connection is open (the agent
+// holds it), and sees EOF once the connection is closed (the agent closed it last).
+// The stream goes on after the release message.
 func TestRelease(t *testing.T) {
 	dir, got, _, _ := startServer(t, nil)
 	c, err := Dial(dir)
@@ -338,17 +340,25 @@ func TestRelease(t *testing.T) {
 		t.Fatal(err)
 	}
 	w.Close()
-	if err := r.SetReadDeadline(time.Now().Add(5 * time.Second)); err != nil {
-		t.Fatal(err)
-	}
-	if n, err := r.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
-		t.Fatalf("read after release = %d, %v; want EOF (the agent closed its copy)", n, err)
-	}
 	if err := c.ReportCommand(CommandDel, ResultSuccess, time.Millisecond, Pod{Namespace: "ns", Name: "p"}, nil); err != nil {
 		t.Fatal(err)
 	}
 	if cmd := recv(t, got.cmds); cmd.Command != CommandDel || cmd.Pod.Name != "p" {
 		t.Fatalf("command after release = %+v", cmd)
+	}
+	// The release was read before the command: the agent holds the descriptor now.
+	if err := r.SetReadDeadline(time.Now().Add(50 * time.Millisecond)); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := r.Read(make([]byte, 1)); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("read while the connection is open = %d, %v; want a timeout (the agent holds the write end)", n, err)
+	}
+	c.Close()
+	if err := r.SetReadDeadline(time.Now().Add(5 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := r.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+		t.Fatalf("read after the connection closed = %d, %v; want EOF (the agent closed its copy)", n, err)
 	}
 	var nilClient *Client
 	if err := nilClient.Release(1); !errors.Is(err, ErrClosed) {

@@ -182,9 +182,10 @@ func (c *Client) GetPod(ctx context.Context, req PodRequest) (*PodResponse, erro
 	return &resp, nil
 }
 
-// Release hands file descriptors to the agent, which closes them: the caller may then
-// close its own copies without being the last holder. The descriptors travel with a
-// "release" message (SCM_RIGHTS); on error nothing was handed over.
+// Release hands file descriptors to the agent, which holds them until this connection
+// is closed and then closes them: the caller closes its own copies (before Close)
+// without being the last holder. The descriptors travel with a "release" message
+// (SCM_RIGHTS); on error nothing was handed over.
 func (c *Client) Release(fds ...int) error {
 	if c == nil {
 		return ErrClosed

@@ -9,7 +9,8 @@
 // with an error, so a newer plugin can talk to an older agent.
 //
 // A "release" message carries file descriptors (SCM_RIGHTS) and nothing to answer: the
-// agent closes them. The plugin hands over a netlink socket this way after deleting
+// agent holds them until the connection ends, then closes them, so that its close is
+// the last one (the plugin closes its copies before the connection). The plugin hands over a netlink socket this way after deleting
 // nftables tables, because the kernel makes the last close of such a socket wait for an
 // RCU grace period (several milliseconds) that a CNI DEL need not wait for.
 //
@@ -113,11 +114,14 @@ type PodRequest struct {
 // PodResponse answers a RequestPod. Found is false when the cache cannot answer
 // (the agent has no API access, its cache is not synced yet, the pod is not in it,
 // or it has another UID); Reason then says which, and the plugin asks the API server.
-// Pod is the v1 Pod as JSON (the agentsock client stays free of Kubernetes packages).
+// Pod is the v1 Pod in Kubernetes' protobuf encoding (k8s.io/api's generated
+// Marshal; base64 in the JSON line): the plugin decodes it without reflection, where
+// decoding JSON into a v1.Pod costs 1.3–2.2 ms in a fresh process. The agentsock
+// package itself stays free of Kubernetes packages.
 type PodResponse struct {
-	Found  bool            `json:"found"`
-	Reason string          `json:"reason,omitempty"`
-	Pod    json.RawMessage `json:"pod,omitempty"`
+	Found  bool   `json:"found"`
+	Reason string `json:"reason,omitempty"`
+	Pod    []byte `json:"pod,omitempty"`
 }
 
 // Log attribute keys lifted into LogRecord.Pod.

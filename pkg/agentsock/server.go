@@ -138,15 +138,22 @@ func (s *Server) ServeListener(ctx context.Context, l *net.UnixListener) error {
 	}
 }
 
-// fdCloser reads a unix connection and closes every file descriptor that arrives with
-// the data (a "release" message's SCM_RIGHTS): the agent is their last holder.
-type fdCloser struct {
-	c   *net.UnixConn
-	oob []byte
-	log *slog.Logger
+// MaxHeldFDs bounds the descriptors the agent holds for one connection; past it, a
+// released descriptor is closed at once.
+const MaxHeldFDs = 64
+
+// fdHolder reads a unix connection and keeps the file descriptors that arrive with the
+// data (a "release" message's SCM_RIGHTS) until the connection ends, then closes them:
+// the plugin closes its own copies before it closes the connection, so the agent's
+// close is the last one, and any wait the kernel attaches to it happens here.
+type fdHolder struct {
+	c    *net.UnixConn
+	oob  []byte
+	held []int
+	log  *slog.Logger
 }
 
-func (r *fdCloser) Read(p []byte) (int, error) {
+func (r *fdHolder) Read(p []byte) (int, error) {
 	n, oobn, _, _, err := r.c.ReadMsgUnix(p, r.oob)
 	if oobn > 0 {
 		msgs, perr := syscall.ParseSocketControlMessage(r.oob[:oobn])
@@ -159,7 +166,11 @@ func (r *fdCloser) Read(p []byte) (int, error) {
 				continue
 			}
 			for _, fd := range fds {
-				syscall.Close(fd)
+				if len(r.held) < MaxHeldFDs {
+					r.held = append(r.held, fd)
+				} else {
+					syscall.Close(fd)
+				}
 			}
 		}
 	}
@@ -170,10 +181,20 @@ func (r *fdCloser) Read(p []byte) (int, error) {
 	return n, err
 }
 
+// closeHeld closes the held descriptors (the connection has ended).
+func (r *fdHolder) closeHeld() {
+	for _, fd := range r.held {
+		syscall.Close(fd)
+	}
+	r.held = nil
+}
+
 func (s *Server) serveConn(ctx context.Context, conn net.Conn, log *slog.Logger) {
 	var rd io.Reader = conn
 	if uc, ok := conn.(*net.UnixConn); ok {
-		rd = &fdCloser{c: uc, oob: make([]byte, syscall.CmsgSpace(16*4)), log: log}
+		h := &fdHolder{c: uc, oob: make([]byte, syscall.CmsgSpace(16*4)), log: log}
+		defer h.closeHeld()
+		rd = h
 	}
 	sc := bufio.NewScanner(rd)
 	sc.Buffer(make([]byte, 0, 4096), MaxLine)
@@ -194,7 +215,7 @@ func (s *Server) serveConn(ctx context.Context, conn net.Conn, log *slog.Logger)
 				s.OnCommand(m.Cmd)
 			}
 		case m.Kind == KindRelease:
-			// Its descriptors were closed as they arrived (fdCloser).
+			// Its descriptors are held until the connection ends (fdHolder).
 		case m.Kind == KindRequest && m.Req != nil:
 			resp := &Response{}
 			var body json.RawMessage
