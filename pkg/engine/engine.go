@@ -11,6 +11,7 @@ import (
 	"log/slog"
 
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -89,35 +90,77 @@ func Check(ctx context.Context, o Options, s *spec.Spec) (backend.Drift, error) 
 }
 
 // Clean removes meshcni's rules from every backend that holds some (an explicit
-// backend cleans only itself), and the TPROXY policy routing and ::6. With
-// backend.Auto one netlink listing decides: meshcni's nftables tables are deleted in
-// one batch; iptables-nft-save runs only when an iptables-nft table holds an ISTIO_*
-// chain, iptables-legacy-save only when iptables-legacy has tables in the namespace.
+// backend cleans only itself), and the TPROXY policy routing and ::6.
+//
+// With backend.Auto, one netlink socket lists the namespace's nftables tables and
+// deletes meshcni's own in one batch; then, in one entry into the namespace,
+// iptables-nft-save runs only when an iptables-nft table holds an ISTIO_* chain,
+// iptables-legacy-save only when iptables-legacy has tables there, and the policy
+// routing and ::6 are removed.
 func Clean(ctx context.Context, o Options) error {
 	socks := &sockets{}
 	defer socks.release(o)
-	kinds := []backend.Kind{o.Backend}
-	if o.Backend == backend.Auto || o.Backend == "" {
-		p, err := probeNetns(o.NetnsPath, true, socks)
+	if o.Backend != backend.Auto && o.Backend != "" {
+		var errs []error
+		b, err := New(o.Backend)
 		if err != nil {
 			return err
 		}
-		kinds = p.cleaners()
-	}
-	var errs []error
-	for _, k := range kinds {
-		b, err := New(k)
-		if err != nil {
-			errs = append(errs, err)
-			continue
-		}
 		if err := withSockets(b, socks).Clean(ctx, o.NetnsPath); err != nil {
-			errs = append(errs, fmt.Errorf("clean %s: %w", k, err))
+			errs = append(errs, fmt.Errorf("clean %s: %w", o.Backend, err))
+		}
+		if err := cleanNetwork(o.NetnsPath); err != nil {
+			errs = append(errs, fmt.Errorf("clean policy routing: %w", err))
+		}
+		return errors.Join(errs...)
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	conn, closeConn, err := nftConn(o.NetnsPath, socks)
+	if err != nil {
+		return err
+	}
+	p, err := probeTables(conn, true)
+	if err == nil && len(p.ours) > 0 {
+		for _, t := range p.ours {
+			conn.DelTable(t)
+		}
+		if ferr := conn.Flush(); ferr != nil {
+			err = fmt.Errorf("clean %s: delete tables in netns %q: %w", backend.Nftables, o.NetnsPath, ferr)
+		} else {
+			o.log().Debug("nftables tables deleted", "netns", o.NetnsPath, "tables", len(p.ours))
 		}
 	}
-	if err := cleanNetwork(o.NetnsPath); err != nil {
-		errs = append(errs, fmt.Errorf("clean policy routing: %w", err))
+	closeConn()
+	if err != nil && len(p.ours) == 0 {
+		return err // the namespace could not even be listed
 	}
+	errs := []error{err}
+	errs = append(errs, netnsutil.Do(o.NetnsPath, func() error {
+		var errs []error
+		var kinds []backend.Kind
+		if p.xtIstio {
+			kinds = append(kinds, backend.IptablesNft)
+		}
+		if legacyHere() {
+			kinds = append(kinds, backend.IptablesLegacy)
+		}
+		for _, k := range kinds {
+			b, err := New(k)
+			if err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			if err := b.Clean(ctx, ""); err != nil {
+				errs = append(errs, fmt.Errorf("clean %s: %w", k, err))
+			}
+		}
+		if err := cleanNetwork(""); err != nil {
+			errs = append(errs, fmt.Errorf("clean policy routing: %w", err))
+		}
+		return errors.Join(errs...)
+	}))
 	return errors.Join(errs...)
 }
 

@@ -12,6 +12,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/backend/iptables"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
+	"github.com/meshcni/meshcni/pkg/rules/nft"
 )
 
 // New returns the backend of an explicit kind.
@@ -52,10 +53,11 @@ func selectIn(k backend.Kind, netns string, socks *sockets) (backend.Backend, st
 
 // probe is what one look at a namespace's tables finds.
 type probe struct {
-	native  bool // meshcni's inet tables (istio-proxy-*)
-	xtnft   bool // iptables-nft tables (ip/ip6 nat, mangle, raw)
-	xtIstio bool // … holding an ISTIO_* chain (only looked for when asked)
-	legacy  bool // iptables-legacy tables (/proc/net/ip{,6}_tables_names)
+	native  bool              // meshcni's inet tables (nft.Tables)
+	ours    []*nftables.Table // … which they are
+	xtnft   bool              // iptables-nft tables (ip/ip6 nat, mangle, raw)
+	xtIstio bool              // … holding an ISTIO_* chain (only looked for when asked)
+	legacy  bool              // iptables-legacy tables (/proc/net/ip{,6}_tables_names)
 }
 
 // holders lists the backends holding tables, in preference order (Select's view:
@@ -74,52 +76,48 @@ func (p probe) holders() []backend.Kind {
 	return kinds
 }
 
-// cleaners lists the backends that may hold meshcni's rules (Clean's view: an
-// iptables-nft table without any ISTIO_* chain holds none of them, so no
-// iptables-nft-save needs to run).
-func (p probe) cleaners() []backend.Kind {
-	var kinds []backend.Kind
-	if p.native {
-		kinds = append(kinds, backend.Nftables)
-	}
-	if p.xtIstio {
-		kinds = append(kinds, backend.IptablesNft)
-	}
-	if p.legacy {
-		kinds = append(kinds, backend.IptablesLegacy)
-	}
-	return kinds
-}
-
-// probeNetns lists the namespace's nftables tables (and, when chains is set, the
-// chains of the iptables-nft ones) over one netlink socket opened into it by file
-// descriptor, then reads whether iptables-legacy has tables (/proc, from a thread in
-// the namespace). The netlink exchange deliberately runs outside netnsutil.Do: on a
-// thread locked into the namespace every wait on the socket costs a thread hand-off.
-func probeNetns(netns string, chains bool, socks *sockets) (probe, error) {
-	var p probe
+// nftConn opens a lasting netlink socket into the namespace by file descriptor (the
+// calling thread never switches namespace: on a thread locked into the namespace,
+// as netnsutil.Do runs code, every wait on the socket costs a thread hand-off).
+func nftConn(netns string, socks *sockets) (*nftables.Conn, func(), error) {
 	opts := []nftables.ConnOption{nftables.AsLasting(), nftables.WithSockOptions(socks.opt())}
+	fd := -1
 	if netns != "" {
-		fd, err := unix.Open(netns, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		var err error
+		fd, err = unix.Open(netns, unix.O_RDONLY|unix.O_CLOEXEC, 0)
 		if err != nil {
-			return p, fmt.Errorf("open netns %s: %w", netns, err)
+			return nil, nil, fmt.Errorf("open netns %s: %w", netns, err)
 		}
-		defer unix.Close(fd)
 		opts = append(opts, nftables.WithNetNSFd(fd))
 	}
 	conn, err := nftables.New(opts...)
 	if err != nil {
-		return p, fmt.Errorf("netlink in netns %q: %w", netns, err)
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+		return nil, nil, fmt.Errorf("netlink in netns %q: %w", netns, err)
 	}
-	defer conn.CloseLasting()
+	return conn, func() {
+		_ = conn.CloseLasting()
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+	}, nil
+}
+
+// probeTables lists the namespace's nftables tables on conn (and, when chains is set,
+// the chains of the iptables-nft ones).
+func probeTables(conn *nftables.Conn, chains bool) (probe, error) {
+	var p probe
 	tables, err := conn.ListTables()
 	if err != nil {
 		return p, fmt.Errorf("list nftables tables: %w", err)
 	}
 	for _, t := range tables {
 		switch {
-		case t.Family == nftables.TableFamilyINet && strings.HasPrefix(t.Name, "istio-proxy-"):
+		case t.Family == nftables.TableFamilyINet && ourTable(t.Name):
 			p.native = true
+			p.ours = append(p.ours, t)
 		case (t.Family == nftables.TableFamilyIPv4 || t.Family == nftables.TableFamilyIPv6) &&
 			(t.Name == "nat" || t.Name == "mangle" || t.Name == "raw"):
 			p.xtnft = true
@@ -137,13 +135,44 @@ func probeNetns(netns string, chains bool, socks *sockets) (probe, error) {
 			}
 		}
 	}
-	err = netnsutil.Do(netns, func() error {
-		for _, f := range []string{"/proc/thread-self/net/ip_tables_names", "/proc/thread-self/net/ip6_tables_names"} {
-			if b, err := os.ReadFile(f); err == nil && len(strings.TrimSpace(string(b))) > 0 {
-				p.legacy = true
-				break
-			}
+	return p, nil
+}
+
+// ourTable reports whether an inet table is one meshcni writes.
+func ourTable(name string) bool {
+	for _, m := range nft.Tables {
+		if name == nft.TableName(m) {
+			return true
 		}
+	}
+	return false
+}
+
+// legacyHere reports whether iptables-legacy has tables in the calling thread's
+// namespace.
+func legacyHere() bool {
+	for _, f := range []string{"/proc/thread-self/net/ip_tables_names", "/proc/thread-self/net/ip6_tables_names"} {
+		if b, err := os.ReadFile(f); err == nil && len(strings.TrimSpace(string(b))) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// probeNetns is the whole probe of a namespace: its nftables tables over one
+// netlink socket, then iptables-legacy's from a thread in the namespace.
+func probeNetns(netns string, chains bool, socks *sockets) (probe, error) {
+	conn, closeConn, err := nftConn(netns, socks)
+	if err != nil {
+		return probe{}, err
+	}
+	p, err := probeTables(conn, chains)
+	closeConn()
+	if err != nil {
+		return p, err
+	}
+	err = netnsutil.Do(netns, func() error {
+		p.legacy = legacyHere()
 		return nil
 	})
 	return p, err

@@ -1,0 +1,204 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"net"
+	"strings"
+	"testing"
+
+	"github.com/google/nftables"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/netnsutil"
+	"github.com/meshcni/meshcni/pkg/rules"
+	"github.com/meshcni/meshcni/pkg/spec"
+)
+
+// addForeignTable creates a table (with one regular chain) that is not meshcni's.
+func addForeignTable(t *testing.T, netns string, fam nftables.TableFamily, name, chain string) {
+	t.Helper()
+	conn, closeConn, err := nftConn(netns, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeConn()
+	tb := conn.AddTable(&nftables.Table{Family: fam, Name: name})
+	conn.AddChain(&nftables.Chain{Table: tb, Name: chain})
+	if err := conn.Flush(); err != nil {
+		t.Fatalf("add foreign table %s: %v", name, err)
+	}
+}
+
+// tableNames lists family/name of every nftables table in the namespace.
+func tableNames(t *testing.T, netns string) []string {
+	t.Helper()
+	conn, closeConn, err := nftConn(netns, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeConn()
+	ts, err := conn.ListTables()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, tb := range ts {
+		out = append(out, familyName(tb.Family)+" "+tb.Name)
+	}
+	return out
+}
+
+func familyName(f nftables.TableFamily) string {
+	switch f {
+	case nftables.TableFamilyINet:
+		return "inet"
+	case nftables.TableFamilyIPv4:
+		return "ip"
+	case nftables.TableFamilyIPv6:
+		return "ip6"
+	}
+	return "other"
+}
+
+// hasPassthrough reports whether ::6 is on lo.
+func hasPassthrough(t *testing.T, netns string) bool {
+	t.Helper()
+	found := false
+	err := netnsutil.Do(netns, func() error {
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		addrs, err := netlink.AddrList(lo, unix.AF_INET6)
+		if err != nil {
+			return err
+		}
+		for _, a := range addrs {
+			if a.IP.Equal(net.ParseIP("::6")) {
+				found = true
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return found
+}
+
+// TestCleanAuto: whatever backend wrote a dual-stack TPROXY redirect, Clean with
+// backend.Auto removes all of it (rules, policy routing, ::6) and nothing else (a
+// foreign nftables table survives). With HandOff, the rules are gone before the
+// handed-over sockets are closed, and the native backend's sockets are handed over.
+func TestCleanAuto(t *testing.T) {
+	testutil.RequireRoot(t)
+	s := spec.PodDefaults()
+	s.Mode = spec.ModeTProxy
+	s.EnableIPv6 = true
+	for _, k := range []backend.Kind{backend.Nftables, backend.IptablesNft, backend.IptablesLegacy} {
+		t.Run(string(k), func(t *testing.T) {
+			netns := testutil.NewNetns(t)
+			addForeignTable(t, netns, nftables.TableFamilyINet, "foreign", "keep")
+			ctx := context.Background()
+			if _, err := Apply(ctx, Options{Backend: k, NetnsPath: netns}, &s); err != nil {
+				t.Fatalf("apply with %s: %v", k, err)
+			}
+			missing, err := checkNetwork(netns, rules.Build(&s))
+			if err != nil || len(missing) != 0 || !hasPassthrough(t, netns) {
+				t.Fatalf("after apply: missing routing %v (%v), ::6 on lo %v", missing, err, hasPassthrough(t, netns))
+			}
+			var handed []int
+			o := Options{Backend: backend.Auto, NetnsPath: netns, HandOff: func(fds ...int) error {
+				for _, fd := range fds {
+					d, err := unix.Dup(fd)
+					if err != nil {
+						return err
+					}
+					handed = append(handed, d)
+				}
+				return nil
+			}}
+			if err := Clean(ctx, o); err != nil {
+				t.Fatalf("clean: %v", err)
+			}
+			// Checked while the handed-over sockets are still open.
+			live, err := Live(ctx, Options{Backend: backend.Auto, NetnsPath: netns})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for kind, txt := range live {
+				if strings.Contains(txt, "ISTIO") || strings.Contains(txt, "istio") {
+					t.Errorf("%s rules left after Clean:\n%s", kind, txt)
+				}
+			}
+			if hasPassthrough(t, netns) {
+				t.Error("::6 left on lo")
+			}
+			if missing, err := checkNetwork(netns, rules.Build(&s)); err != nil || len(missing) != 4 {
+				t.Errorf("policy routing left: only %v missing (%v)", missing, err)
+			}
+			names := strings.Join(tableNames(t, netns), ",")
+			if !strings.Contains(names, "inet foreign") || strings.Contains(names, "istio-proxy") {
+				t.Errorf("tables after Clean: %s", names)
+			}
+			if k == backend.Nftables && len(handed) == 0 {
+				t.Error("no netlink socket handed over after deleting nftables tables")
+			}
+			for _, fd := range handed {
+				unix.Close(fd)
+			}
+		})
+	}
+}
+
+// TestCleanAutoLeavesForeignIptablesNft: an iptables-nft table without any ISTIO_*
+// chain holds none of meshcni's rules: the probe says so (so Clean runs no
+// iptables-nft-save), and Clean leaves the table and its chain alone.
+func TestCleanAutoLeavesForeignIptablesNft(t *testing.T) {
+	testutil.RequireRoot(t)
+	netns := testutil.NewNetns(t)
+	addForeignTable(t, netns, nftables.TableFamilyIPv4, "nat", "FOREIGN")
+	conn, closeConn, err := nftConn(netns, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := probeTables(conn, true)
+	closeConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !p.xtnft || p.xtIstio || p.native {
+		t.Fatalf("probe = %+v, want an iptables-nft table without ISTIO_* chains", p)
+	}
+	if err := Clean(context.Background(), Options{NetnsPath: netns}); err != nil {
+		t.Fatal(err)
+	}
+	if names := tableNames(t, netns); len(names) != 1 || names[0] != "ip nat" {
+		t.Fatalf("tables after Clean: %v, want the foreign ip nat", names)
+	}
+	// With an ISTIO_* chain the probe sends Clean to iptables-nft.
+	addForeignTable(t, netns, nftables.TableFamilyIPv4, "nat", "ISTIO_OUTPUT")
+	conn, closeConn, err = nftConn(netns, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err = probeTables(conn, true)
+	closeConn()
+	if err != nil || !p.xtIstio {
+		t.Fatalf("probe = %+v, %v; want an ISTIO_* chain found", p, err)
+	}
+}
+
+// TestCleanGoneNetns: a namespace that does not exist is an error naming it (the
+// plugin's DEL checks for it first and treats it as success).
+func TestCleanGoneNetns(t *testing.T) {
+	testutil.RequireRoot(t)
+	err := Clean(context.Background(), Options{NetnsPath: "/run/netns/meshcni-does-not-exist"})
+	if err == nil || !strings.Contains(err.Error(), "/run/netns/meshcni-does-not-exist") || !errors.Is(err, unix.ENOENT) {
+		t.Fatalf("Clean of a missing netns = %v", err)
+	}
+}
