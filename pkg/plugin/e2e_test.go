@@ -275,7 +275,12 @@ type chain struct {
 
 func newChain(t testing.TB, ips []string, entry map[string]any) *chain {
 	t.Helper()
-	dir := binaries(t)
+	return newChainIn(t, binaries(t), ips, entry)
+}
+
+// newChainIn is newChain with the plugins of dir.
+func newChainIn(t testing.TB, dir string, ips []string, entry map[string]any) *chain {
+	t.Helper()
 	plugins := []map[string]any{{"type": "prevplugin", "result": prevResult(ips...)}}
 	if entry != nil {
 		plugins = append(plugins, entry)

@@ -1,6 +1,7 @@
 package plugin
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -18,6 +19,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"sigs.k8s.io/yaml"
 )
 
@@ -307,7 +310,9 @@ func (c *PodClient) getOnce(ctx context.Context, namespace, name string) (*corev
 	if err != nil {
 		return nil, fmt.Errorf("build request: %w", err)
 	}
-	req.Header.Set("Accept", "application/json")
+	// Protobuf first: it decodes without reflection (JSON into a v1.Pod costs 1.3–2.2 ms
+	// in a fresh process); a server or proxy that only speaks JSON still works.
+	req.Header.Set("Accept", protobufType+", application/json;q=0.9")
 	req.Header.Set("User-Agent", "meshcni-plugin")
 	token := c.cfg.Token
 	if token == "" && c.cfg.TokenFile != "" {
@@ -328,18 +333,56 @@ func (c *PodClient) getOnce(ctx context.Context, namespace, name string) (*corev
 	if err != nil {
 		return nil, &APIError{Server: server, Err: fmt.Errorf("read response: %w", err)}
 	}
+	proto := isProtobuf(resp.Header.Get("Content-Type"))
 	if resp.StatusCode != http.StatusOK {
-		return nil, &APIError{Server: server, Status: resp.StatusCode, Err: errors.New(statusMessage(body))}
+		return nil, &APIError{Server: server, Status: resp.StatusCode, Err: errors.New(statusMessage(body, proto))}
 	}
 	var pod corev1.Pod
-	if err := json.Unmarshal(body, &pod); err != nil {
+	if proto {
+		err = unmarshalProtobuf(body, &pod)
+	} else {
+		err = json.Unmarshal(body, &pod)
+	}
+	if err != nil {
 		return nil, fmt.Errorf("decode pod %s/%s from %s: %w", namespace, name, server, err)
 	}
 	return &pod, nil
 }
 
+// protobufType is Kubernetes' protobuf media type.
+const protobufType = "application/vnd.kubernetes.protobuf"
+
+// protobufMagic starts every Kubernetes protobuf body: "k8s\x00", then a
+// runtime.Unknown whose Raw holds the object.
+var protobufMagic = []byte("k8s\x00")
+
+func isProtobuf(contentType string) bool {
+	mt, _, _ := strings.Cut(contentType, ";")
+	return strings.TrimSpace(mt) == protobufType
+}
+
+// unmarshalProtobuf decodes a Kubernetes protobuf body into obj with its generated
+// (reflection-free) Unmarshal.
+func unmarshalProtobuf(body []byte, obj interface{ Unmarshal([]byte) error }) error {
+	if !bytes.HasPrefix(body, protobufMagic) {
+		return errors.New("protobuf body without the k8s envelope")
+	}
+	var u runtime.Unknown
+	if err := u.Unmarshal(body[len(protobufMagic):]); err != nil {
+		return fmt.Errorf("protobuf envelope: %w", err)
+	}
+	return obj.Unmarshal(u.Raw)
+}
+
 // statusMessage extracts a metav1.Status message, or the start of the body.
-func statusMessage(body []byte) string {
+func statusMessage(body []byte, proto bool) string {
+	if proto {
+		var st metav1.Status
+		if unmarshalProtobuf(body, &st) == nil && st.Message != "" {
+			return st.Message
+		}
+		return "undecodable protobuf response"
+	}
 	var st struct {
 		Message string `json:"message"`
 	}

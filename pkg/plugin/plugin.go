@@ -12,7 +12,6 @@ package plugin
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -352,7 +351,7 @@ func (inv *invocation) podFromAgent(ctx context.Context) *corev1.Pod {
 		return miss(resp.Reason)
 	}
 	var pod corev1.Pod
-	if err := json.Unmarshal(resp.Pod, &pod); err != nil {
+	if err := pod.Unmarshal(resp.Pod); err != nil {
 		return miss("undecodable pod", "err", err)
 	}
 	if pod.Namespace != inv.namespace || pod.Name != inv.name {
