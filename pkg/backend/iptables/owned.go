@@ -3,6 +3,7 @@ package iptables
 import (
 	"regexp"
 	"strings"
+	"sync"
 )
 
 // meshcni (and Istio) own the chains named ISTIO_*. In the kernel's own chains
@@ -19,18 +20,23 @@ func ownedChain(name string) bool {
 	return false
 }
 
-var ownedBuiltinShapes = []*regexp.Regexp{
-	// interface short-circuits: -i X -j RETURN / -o X -j RETURN
-	regexp.MustCompile(`^-[io] [A-Za-z0-9_.@-]+ -j RETURN$`),
-	// TPROXY: save the proxy's mark on the connection
-	regexp.MustCompile(`^-p tcp -m mark --mark 0x[0-9a-f]+ -j CONNMARK --save-mark( --nfmask 0xffffffff --ctmask 0xffffffff)?$`),
-	// TPROXY: marked loopback traffic returns
-	regexp.MustCompile(`^-o lo -p tcp -m mark --mark 0x[0-9a-f]+ -j RETURN$`),
-	// TPROXY: the proxy's loopback traffic to the workload is marked 1338
-	regexp.MustCompile(`^! -d [0-9a-f.:]+/\d+ -o lo -p tcp -m owner --(uid|gid)-owner \d+ -j MARK --set-xmark 0x53a/0xffffffff$`),
-	// TPROXY: restore the connection mark
-	regexp.MustCompile(`^-p tcp -m connmark --mark 0x[0-9a-f]+ -j CONNMARK --restore-mark( --nfmask 0xffffffff --ctmask 0xffffffff)?$`),
-}
+// ownedBuiltinShapes is compiled on first use, not at package init: the CNI plugin
+// links this package and starts once per pod, and most of its runs never need it
+// (compiling at init cost ~0.2 ms of every start).
+var ownedBuiltinShapes = sync.OnceValue(func() []*regexp.Regexp {
+	return []*regexp.Regexp{
+		// interface short-circuits: -i X -j RETURN / -o X -j RETURN
+		regexp.MustCompile(`^-[io] [A-Za-z0-9_.@-]+ -j RETURN$`),
+		// TPROXY: save the proxy's mark on the connection
+		regexp.MustCompile(`^-p tcp -m mark --mark 0x[0-9a-f]+ -j CONNMARK --save-mark( --nfmask 0xffffffff --ctmask 0xffffffff)?$`),
+		// TPROXY: marked loopback traffic returns
+		regexp.MustCompile(`^-o lo -p tcp -m mark --mark 0x[0-9a-f]+ -j RETURN$`),
+		// TPROXY: the proxy's loopback traffic to the workload is marked 1338
+		regexp.MustCompile(`^! -d [0-9a-f.:]+/\d+ -o lo -p tcp -m owner --(uid|gid)-owner \d+ -j MARK --set-xmark 0x53a/0xffffffff$`),
+		// TPROXY: restore the connection mark
+		regexp.MustCompile(`^-p tcp -m connmark --mark 0x[0-9a-f]+ -j CONNMARK --restore-mark( --nfmask 0xffffffff --ctmask 0xffffffff)?$`),
+	}
+})
 
 func ownedBuiltinRule(spec string) bool {
 	if i := strings.LastIndex(spec, "-j "); i >= 0 {
@@ -39,7 +45,7 @@ func ownedBuiltinRule(spec string) bool {
 			return true
 		}
 	}
-	for _, re := range ownedBuiltinShapes {
+	for _, re := range ownedBuiltinShapes() {
 		if re.MatchString(spec) {
 			return true
 		}
