@@ -22,6 +22,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -87,27 +88,10 @@ func up(ctx context.Context, log *slog.Logger, hub, tag string) error {
 	if err := hackTestbed(ctx, dir, "build"); err != nil {
 		return err
 	}
-	if _, _, ok := testbed.Running(); !ok {
-		// A test may hold the test bed (one per machine): wait for it.
-		for logged := false; ; logged = true {
-			pid, _, busy := testbed.Busy()
-			if !busy {
-				break
-			}
-			if !logged {
-				log.Info("demo: waiting for the test bed's current user to finish", "pid", pid)
-			}
-			select {
-			case <-ctx.Done():
-				return ctx.Err()
-			case <-time.After(time.Second):
-			}
-		}
-		if err := hackTestbed(ctx, dir, "up"); err != nil {
-			return err
-		}
-	} else {
+	if _, _, ok := testbed.Running(); ok {
 		log.Info("demo: using the running test bed")
+	} else if err := startTestbed(ctx, log, dir); err != nil {
+		return err
 	}
 	tb, err := testbed.Attach(ctx)
 	if err != nil {
@@ -117,6 +101,37 @@ func up(ctx context.Context, log *slog.Logger, hub, tag string) error {
 	fmt.Printf("\ndemo took %s. Everything is still running: eval \"$(hack/testbed env)\"; kubectl -n %s get pods -o wide; make demo-down removes it.\n",
 		time.Since(began).Round(time.Second), demo.Namespace)
 	return err
+}
+
+// startTestbed runs `hack/testbed up`, waiting while a test holds the test bed (one
+// per machine): up refuses then, so it is retried until it starts one.
+func startTestbed(ctx context.Context, log *slog.Logger, dir string) error {
+	logged := false
+	for {
+		if pid, _, busy := testbed.Busy(); busy {
+			if !logged {
+				log.Info("demo: waiting for the test bed's current user to finish", "pid", pid)
+				logged = true
+			}
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(500 * time.Millisecond):
+			}
+			continue
+		}
+		cmd := exec.CommandContext(ctx, "bash", filepath.Join(dir, "hack", "testbed"), "up")
+		cmd.Dir = dir
+		out, err := cmd.CombinedOutput()
+		if err == nil {
+			os.Stderr.Write(out)
+			return nil
+		}
+		if _, _, busy := testbed.Busy(); !busy {
+			return fmt.Errorf("hack/testbed up: %w: %s", err, strings.TrimSpace(string(out)))
+		}
+		// Another user took it between our check and up's: wait again.
+	}
 }
 
 func down(ctx context.Context, log *slog.Logger) error {
