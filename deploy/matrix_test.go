@@ -70,7 +70,7 @@ func matrix() []matrixCase {
 		{name: "openshift-standalone", values: []string{"chained=false", "cniConfDir=/etc/cni/multus/net.d", "cniBinDir=/var/lib/cni/bin", "cniConfFileName=00-multus.conf", "securityContext.privileged=true"}, check: func(t *testing.T, c *chart) {
 			a := c.agentC
 			if a.Chained || a.StandaloneFileName != "meshcni.conflist" || a.CNIConfDir != "/etc/cni/multus/net.d" || a.CNIConfFileName != "" ||
-				!*c.agent.Spec.Template.Spec.Containers[0].SecurityContext.Privileged {
+				!*c.agent.Spec.Template.Spec.Containers[0].SecurityContext.Privileged || c.agent.Spec.Template.Spec.Containers[0].SecurityContext.AllowPrivilegeEscalation != nil {
 				t.Errorf("agent config %+v", a)
 			}
 		}},
