@@ -49,9 +49,9 @@ func (r *InspectReport) Backends() []string {
 // runInspect runs the host's meshcnictl (built with the image) the way an operator
 // would on the node.
 func runInspect(ctx context.Context, meshcnictl, pod string) (*InspectReport, error) {
-	args := []string{"inspect", "-o", "json", "--kubeconfig", testbed.KubeconfigPath(),
+	args := []string{"inspect", "--kubeconfig", testbed.KubeconfigPath(),
 		"--node-name", testbed.NodeName, "--netns-dir", testbed.NetnsDir, Namespace + "/" + pod}
-	cmd := exec.CommandContext(ctx, meshcnictl, args...)
+	cmd := exec.CommandContext(ctx, meshcnictl, append([]string{"inspect", "-o", "json"}, args[1:]...)...)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Run()
