@@ -6,12 +6,14 @@ import (
 	"flag"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/images"
@@ -182,5 +184,109 @@ func TestDemo(t *testing.T) {
 	bin, entry, err := pluginState("")
 	if err != nil || bin || entry {
 		t.Errorf("after the demo: plugin binary %v, entry %v, err %v", bin, entry, err)
+	}
+}
+
+// TestMultiArchImageImports: an archive with a two-architecture index (this
+// machine's meshcnictl, and a stand-in file for the other architecture) is accepted by
+// the test bed's containerd (`ctr images import`), which picks this machine's manifest
+// for a pod that runs `meshcnictl --help` from it.
+func TestMultiArchImageImports(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireBinary(t, "go")
+	testutil.RequireBinary(t, "ctr")
+	root, err := testbed.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tb := testbed.Shared(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+
+	host := images.HostArch()
+	other := images.Arch{GOARCH: "arm64"}
+	if host.GOARCH == "arm64" {
+		other = images.Arch{GOARCH: "amd64"}
+	}
+	dir := t.TempDir()
+	if err := images.GoBuild(ctx, root, host, "multiarch-test", filepath.Join(dir, "host"), []string{"meshcnictl"}); err != nil {
+		t.Fatal(err)
+	}
+	fake := filepath.Join(dir, "other-meshcnictl")
+	if err := os.WriteFile(fake, []byte("not for this machine\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	const tag = "multiarch-test"
+	ref, err := images.Ref(images.DefaultHub, tag)
+	if err != nil {
+		t.Fatal(err)
+	}
+	archive := filepath.Join(dir, "multi.tar")
+	res, err := images.Assemble(ctx, images.AssembleOptions{
+		Ref: ref, Tag: tag, Version: tag, Revision: "test",
+		Arches: []images.Arch{other, host},
+		Binaries: map[images.Arch]map[string]string{
+			host:  {"meshcnictl": filepath.Join(dir, "host", "meshcnictl")},
+			other: {"meshcnictl": fake},
+		},
+		Out: archive,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := testbed.ImportImage(ctx, archive); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.CommandContext(ctx, "ctr", "--address", testbed.ContainerdSocket(), "-n", "k8s.io", "images", "ls", "name=="+ref).CombinedOutput()
+	if err != nil {
+		t.Fatalf("ctr images ls: %v: %s", err, out)
+	}
+	for _, want := range []string{ref, res.IndexDigest, "linux/" + host.String(), "linux/" + other.String()} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("ctr images ls lacks %q:\n%s", want, out)
+		}
+	}
+
+	ns := "meshcni-demo-image"
+	if err := tb.CreateNamespace(ctx, ns); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = tb.Client.CoreV1().Namespaces().Delete(context.Background(), ns, metav1.DeleteOptions{})
+	})
+	uid := int64(65534)
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "meshcnictl-help", Namespace: ns},
+		Spec: corev1.PodSpec{
+			RestartPolicy: corev1.RestartPolicyNever,
+			Containers: []corev1.Container{{
+				Name: "ctl", Image: ref, ImagePullPolicy: corev1.PullNever,
+				Command:         []string{images.PathInImage("meshcnictl"), "--help"},
+				SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid},
+			}},
+		},
+	}
+	if _, err := tb.CreatePod(ctx, pod); err != nil {
+		t.Fatal(err)
+	}
+	var phase corev1.PodPhase
+	for phase != corev1.PodSucceeded {
+		p, err := tb.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		phase = p.Status.Phase
+		if phase == corev1.PodFailed {
+			t.Fatalf("pod failed: %+v", p.Status.ContainerStatuses)
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("pod not Succeeded: phase %s, %+v", phase, p.Status.ContainerStatuses)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	logs, err := tb.PodLogs(ctx, ns, pod.Name, "ctl")
+	if err != nil || !strings.Contains(logs, "meshcnictl") || !strings.Contains(logs, "inspect") {
+		t.Errorf("meshcnictl --help in the pod: %v\n%s", err, logs)
 	}
 }
