@@ -34,6 +34,9 @@ func mountPaths(c *chart) map[string]bool {
 func matrix() []matrixCase {
 	cases := []matrixCase{
 		{name: "default", check: func(t *testing.T, c *chart) {
+			if n := c.count("ResourceQuota"); n != 0 {
+				t.Errorf("%d ResourceQuotas by default", n)
+			}
 			a := c.agentC
 			if !a.Chained || a.CNIBinDir != "/opt/cni/bin" || a.CNIConfDir != "/etc/cni/net.d" || a.RunDir != "/var/run/meshcni" ||
 				a.Backend != "auto" || a.HealthAddr != ":9807" || a.KeepOnExit || strings.Join(a.ExcludeNamespaces, ",") != "kube-system" {
@@ -79,9 +82,19 @@ func matrix() []matrixCase {
 				t.Errorf("conf file name %q", c.agentC.CNIConfFileName)
 			}
 		}},
-		{name: "gke", values: []string{"cniBinDir=/home/kubernetes/bin"}, check: func(t *testing.T, c *chart) {
+		{name: "gke", values: []string{"cniBinDir=/home/kubernetes/bin", "resourceQuotas.enabled=true"}, check: func(t *testing.T, c *chart) {
 			if c.agentC.CNIBinDir != "/home/kubernetes/bin" || !mountPaths(c)["/home/kubernetes/bin"] || mountPaths(c)["/opt/cni/bin"] {
 				t.Errorf("bin dir %q, mounts %v", c.agentC.CNIBinDir, mountPaths(c))
+			}
+			rq := c.find("ResourceQuota", "meshcni-critical-pods")
+			if rq == nil {
+				t.Fatal("no ResourceQuota")
+			}
+			q := typed[corev1.ResourceQuota](t, rq)
+			want := []string{c.agent.Spec.Template.Spec.PriorityClassName, c.taint.Spec.Template.Spec.PriorityClassName}
+			if q.Spec.ScopeSelector == nil || len(q.Spec.ScopeSelector.MatchExpressions) != 1 ||
+				strings.Join(q.Spec.ScopeSelector.MatchExpressions[0].Values, ",") != strings.Join(want, ",") || q.Spec.Hard.Pods().Value() != 5000 {
+				t.Errorf("ResourceQuota %s, want the scope %v", yamlOf(t, rq), want)
 			}
 		}},
 		{name: "k3s", values: []string{"cniBinDir=/var/lib/rancher/k3s/data/current/bin", "cniConfDir=/var/lib/rancher/k3s/agent/etc/cni/net.d",
