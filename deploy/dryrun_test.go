@@ -170,8 +170,10 @@ func TestServerDryRun(t *testing.T) {
 	}
 }
 
-// createNamespace creates ns (privileged, as docs/install.md says) unless it exists, and
-// deletes it at the end if it created it.
+// createNamespace creates ns (privileged, as docs/install.md says) unless it exists. It
+// deletes only its own dry-run namespace at the end: on a shared test bed
+// (hack/testbed up) someone may install into meshcni-system meanwhile; a test bed this
+// test started is torn down with everything in it anyway.
 func createNamespace(ctx context.Context, t *testing.T, tb *testbed.Testbed, ns string) {
 	t.Helper()
 	obj := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns, Labels: map[string]string{"pod-security.kubernetes.io/enforce": "privileged"}}}
@@ -182,5 +184,7 @@ func createNamespace(ctx context.Context, t *testing.T, tb *testbed.Testbed, ns 
 	case err != nil:
 		t.Fatalf("create namespace %s: %v", ns, err)
 	}
-	t.Cleanup(func() { _ = tb.Client.CoreV1().Namespaces().Delete(context.Background(), ns, metav1.DeleteOptions{}) })
+	if ns == dryRunNamespace {
+		t.Cleanup(func() { _ = tb.Client.CoreV1().Namespaces().Delete(context.Background(), ns, metav1.DeleteOptions{}) })
+	}
 }
