@@ -166,25 +166,34 @@ func Run(ctx context.Context, tb *testbed.Testbed, o Options) (*Report, error) {
 		return nil, fmt.Errorf("demo: the test bed runs %s; the demo needs a full node (hack/testbed down; make demo)", tb.Mode)
 	}
 	r := &runner{o: o, tb: tb, rep: &Report{}, ips: map[string]netip.Addr{}, last: time.Now()}
-	if err := r.install(ctx); err != nil {
-		return r.rep, err
-	}
-	if err := r.app(ctx); err != nil {
-		return r.rep, err
-	}
-	r.traffic(ctx)
-	r.inspect(ctx)
-	r.step("report")
-	Print(o.Out, r.rep)
+	err := r.run(ctx)
 	if !o.Keep {
-		if err := r.uninstall(ctx); err != nil {
-			r.fail("uninstall: %v", err)
+		// Also after a failure: the test bed is shared by the tests that follow.
+		if uerr := r.uninstall(context.WithoutCancel(ctx)); uerr != nil {
+			r.fail("uninstall: %v", uerr)
 		}
+	}
+	if err != nil {
+		return r.rep, err
 	}
 	if len(r.rep.Failures) > 0 {
 		return r.rep, fmt.Errorf("demo: %d check(s) failed:\n  - %s", len(r.rep.Failures), strings.Join(r.rep.Failures, "\n  - "))
 	}
 	return r.rep, nil
+}
+
+func (r *runner) run(ctx context.Context) error {
+	if err := r.install(ctx); err != nil {
+		return err
+	}
+	if err := r.app(ctx); err != nil {
+		return err
+	}
+	r.traffic(ctx)
+	r.inspect(ctx)
+	r.step("report")
+	Print(r.o.Out, r.rep)
+	return nil
 }
 
 // install builds and imports the image and installs the chart.
@@ -516,13 +525,15 @@ func probes() []probe {
 	}
 }
 
+// sent is one probe made: its destination and what the client saw.
+type sent struct {
+	p   probe
+	dst netip.AddrPort
+	res proxysim.ProbeResult
+	err error
+}
+
 func (r *runner) traffic(ctx context.Context) {
-	type sent struct {
-		p   probe
-		dst netip.AddrPort
-		res proxysim.ProbeResult
-		err error
-	}
 	var all []sent
 	for _, p := range probes() {
 		dst := netip.AddrPortFrom(r.ips[p.toPod], p.port)
@@ -541,83 +552,89 @@ func (r *runner) traffic(ctx context.Context) {
 		r.fail("proxy log: %v", err)
 	}
 	records := parseRecords(proxyLogs)
-	conns := 0
 	for _, rec := range records {
 		if rec.Event == proxysim.EventConn {
-			conns++
+			r.proxyConns++
 		}
 	}
 	for _, s := range all {
-		p := s.p
-		row := ConnRow{
-			From: fmt.Sprintf("%s/%s (uid %d)", p.fromPod, p.fromContainer, p.uid),
-			To:   fmt.Sprintf("%s %s", p.toPod, s.dst),
-			Dst:  s.dst, Captured: "no", OrigDst: "-", SeenSource: "-",
-		}
-		row.want = "not captured"
-		if p.want != "" {
-			row.want = "captured on " + p.want
-		}
-		var rec *proxysim.Record
-		for i := range records {
-			if records[i].Event == proxysim.EventConn && s.res.Local.IsValid() && records[i].Peer == s.res.Local {
-				rec = &records[i]
-			}
-		}
-		if rec != nil {
-			row.Captured = fmt.Sprintf("%s :%d", rec.Listener, rec.Local.Port())
-			row.OrigDst = rec.OrigDst.String()
-			if rec.OrigDstErr != "" {
-				row.OrigDst = "error: " + rec.OrigDstErr
-			}
-		}
-		var seen netip.AddrPort
-		if s.err == nil && s.res.Connected {
-			seen = seenSource(p.toPod, s.res.Reply)
-			row.Reply = seen.IsValid()
-			if seen.IsValid() {
-				row.SeenSource = seen.Addr().String()
-			}
-		}
-		wantSrc := p.wantSource
-		if ip, ok := r.ips[wantSrc]; ok {
-			wantSrc = ip.String()
-		}
-		var problems []string
-		switch {
-		case s.err != nil:
-			problems = append(problems, s.err.Error())
-		case !s.res.Connected:
-			problems = append(problems, "not connected: "+s.res.Error)
-		case !row.Reply:
-			problems = append(problems, fmt.Sprintf("no answer from %s (reply %q)", p.toPod, s.res.Reply))
-		}
-		if p.want == "" && rec != nil {
-			problems = append(problems, fmt.Sprintf("the proxy captured it (%s), but it must not be redirected", row.Captured))
-		}
-		if p.want != "" {
-			switch {
-			case rec == nil:
-				problems = append(problems, "the proxy did not see it")
-			case rec.Listener != p.want:
-				problems = append(problems, "captured by the "+rec.Listener+" listener, want "+p.want)
-			case rec.OrigDst != s.dst:
-				problems = append(problems, fmt.Sprintf("original destination %s, want %s", row.OrigDst, s.dst))
-			case rec.ForwardErr != "":
-				problems = append(problems, "forward failed: "+rec.ForwardErr)
-			}
-		}
-		if row.Reply && row.SeenSource != wantSrc {
-			problems = append(problems, fmt.Sprintf("%s saw the connection from %s, want %s", p.toPod, row.SeenSource, wantSrc))
-		}
-		row.OK = len(problems) == 0
-		if !row.OK {
+		row, problems := judge(s, records, r.ips)
+		if len(problems) > 0 {
 			r.fail("%s → %s: %s", row.From, row.To, strings.Join(problems, "; "))
 		}
 		r.rep.Connections = append(r.rep.Connections, row)
 	}
-	r.proxyConns = conns
 	r.step(fmt.Sprintf("%d connections made from inside the pods", len(all)))
+}
+
+// judge builds a connection's row from what the client saw, the proxy's records and
+// the destination's answer, and lists every way it differs from the probe's
+// expectation: captured by the right listener (or not at all), the original
+// destination equal to the address dialled, an answer from the destination, and the
+// source the destination saw.
+func judge(s sent, records []proxysim.Record, ips map[string]netip.Addr) (ConnRow, []string) {
+	p := s.p
+	row := ConnRow{
+		From: fmt.Sprintf("%s/%s (uid %d)", p.fromPod, p.fromContainer, p.uid),
+		To:   fmt.Sprintf("%s %s", p.toPod, s.dst),
+		Dst:  s.dst, Captured: "no", OrigDst: "-", SeenSource: "-",
+		want: "not captured",
+	}
+	if p.want != "" {
+		row.want = "captured on " + p.want
+	}
+	var rec *proxysim.Record
+	for i := range records {
+		if records[i].Event == proxysim.EventConn && s.res.Local.IsValid() && records[i].Peer == s.res.Local {
+			rec = &records[i]
+		}
+	}
+	if rec != nil {
+		row.Captured = fmt.Sprintf("%s :%d", rec.Listener, rec.Local.Port())
+		row.OrigDst = rec.OrigDst.String()
+		if rec.OrigDstErr != "" {
+			row.OrigDst = "error: " + rec.OrigDstErr
+		}
+	}
+	if s.err == nil && s.res.Connected {
+		if seen := seenSource(p.toPod, s.res.Reply); seen.IsValid() {
+			row.Reply = true
+			row.SeenSource = seen.Addr().String()
+		}
+	}
+	wantSrc := p.wantSource
+	if ip, ok := ips[wantSrc]; ok {
+		wantSrc = ip.String()
+	}
+	var problems []string
+	switch {
+	case s.err != nil:
+		problems = append(problems, s.err.Error())
+	case !s.res.Connected:
+		problems = append(problems, "not connected: "+s.res.Error)
+	case !row.Reply:
+		problems = append(problems, fmt.Sprintf("no answer from %s (reply %q)", p.toPod, s.res.Reply))
+	}
+	if p.want == "" && rec != nil {
+		problems = append(problems, fmt.Sprintf("the proxy captured it (%s), but it must not be redirected", row.Captured))
+	}
+	if p.want != "" {
+		switch {
+		case rec == nil:
+			problems = append(problems, "the proxy did not see it")
+		case rec.Listener != p.want:
+			problems = append(problems, "captured by the "+rec.Listener+" listener, want "+p.want)
+		case rec.OrigDst != s.dst:
+			problems = append(problems, fmt.Sprintf("original destination %s, want %s", row.OrigDst, s.dst))
+		case rec.ForwardErr != "":
+			problems = append(problems, "forward failed: "+rec.ForwardErr)
+		}
+	}
+	if row.Reply && row.SeenSource != wantSrc {
+		problems = append(problems, fmt.Sprintf("%s saw the connection from %s, want %s", p.toPod, row.SeenSource, wantSrc))
+	}
+	row.OK = len(problems) == 0
+	return row, problems
 }
 
 // seenSource is the client address the destination reported: the echo server

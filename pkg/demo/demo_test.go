@@ -3,6 +3,7 @@ package demo
 import (
 	"bytes"
 	"context"
+	"errors"
 	"flag"
 	"net/netip"
 	"os"
@@ -288,5 +289,81 @@ func TestMultiArchImageImports(t *testing.T) {
 	logs, err := tb.PodLogs(ctx, ns, pod.Name, "ctl")
 	if err != nil || !strings.Contains(logs, "meshcnictl") || !strings.Contains(logs, "inspect") {
 		t.Errorf("meshcnictl --help in the pod: %v\n%s", err, logs)
+	}
+}
+
+// TestJudge: each way a connection can differ from what the demo shows is reported.
+func TestJudge(t *testing.T) {
+	ips := map[string]netip.Addr{
+		MeshedPod: netip.MustParseAddr("10.213.0.4"),
+		PlainPod:  netip.MustParseAddr("10.213.0.2"),
+		ServerPod: netip.MustParseAddr("10.213.0.3"),
+	}
+	ps := probes()
+	appToServer, proxyToServer, plainToMeshed := ps[0], ps[2], ps[3]
+	if appToServer.want != proxysim.ListenerOutbound || proxyToServer.want != "" || plainToMeshed.want != proxysim.ListenerInbound {
+		t.Fatalf("probes() changed order: %+v", ps)
+	}
+	server := netip.MustParseAddrPort("10.213.0.3:8080")
+	meshedApp := netip.MustParseAddrPort("10.213.0.4:9080")
+	local := netip.MustParseAddrPort("10.213.0.4:40000")
+	plainLocal := netip.MustParseAddrPort("10.213.0.2:41000")
+	conn := func(listener string, port uint16, peer, orig netip.AddrPort) proxysim.Record {
+		return proxysim.Record{Event: proxysim.EventConn, Listener: listener, Peer: peer,
+			Local: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), port), OrigDst: orig}
+	}
+	echo := func(from string) string { return "server " + from + ":5555\nhello\n" }
+	appReply := func(peer string) string {
+		return `{"event":"conn","listener":"inbound","peer":"` + peer + `:6000","local":"10.213.0.4:9080","uid":1000,"gid":1000,"time":"2026-01-01T00:00:00Z"}` + "\n"
+	}
+	ok := func(local netip.AddrPort, reply string) proxysim.ProbeResult {
+		return proxysim.ProbeResult{Connected: true, Local: local, Reply: reply}
+	}
+	for _, tc := range []struct {
+		name    string
+		s       sent
+		records []proxysim.Record
+		want    string // substring of the problems; "" = OK
+		capt    string
+	}{
+		{"outbound captured", sent{p: appToServer, dst: server, res: ok(local, echo("10.213.0.4"))},
+			[]proxysim.Record{conn("outbound", 15001, local, server)}, "", "outbound :15001"},
+		{"outbound not captured", sent{p: appToServer, dst: server, res: ok(local, echo("10.213.0.4"))},
+			nil, "the proxy did not see it", "no"},
+		{"outbound on the wrong listener", sent{p: appToServer, dst: server, res: ok(local, echo("10.213.0.4"))},
+			[]proxysim.Record{conn("inbound", 15006, local, server)}, "captured by the inbound listener", "inbound :15006"},
+		{"wrong original destination", sent{p: appToServer, dst: server, res: ok(local, echo("10.213.0.4"))},
+			[]proxysim.Record{conn("outbound", 15001, local, netip.MustParseAddrPort("10.213.0.9:8080"))}, "original destination 10.213.0.9:8080", "outbound :15001"},
+		{"forward failed", sent{p: appToServer, dst: server, res: ok(local, echo("10.213.0.4"))},
+			[]proxysim.Record{func() proxysim.Record {
+				r := conn("outbound", 15001, local, server)
+				r.ForwardErr = "refused"
+				return r
+			}()}, "forward failed: refused", "outbound :15001"},
+		{"another connection's record does not count", sent{p: appToServer, dst: server, res: ok(local, echo("10.213.0.4"))},
+			[]proxysim.Record{conn("outbound", 15001, netip.MustParseAddrPort("10.213.0.4:40001"), server)}, "the proxy did not see it", "no"},
+		{"proxy's own traffic captured", sent{p: proxyToServer, dst: server, res: ok(local, echo("10.213.0.4"))},
+			[]proxysim.Record{conn("outbound", 15001, local, server)}, "must not be redirected", "outbound :15001"},
+		{"proxy's own traffic not captured", sent{p: proxyToServer, dst: server, res: ok(local, echo("10.213.0.4"))},
+			nil, "", "no"},
+		{"inbound captured, app sees 127.0.0.6", sent{p: plainToMeshed, dst: meshedApp, res: ok(plainLocal, appReply("127.0.0.6"))},
+			[]proxysim.Record{conn("inbound", 15006, plainLocal, meshedApp)}, "", "inbound :15006"},
+		{"inbound: app sees the client directly", sent{p: plainToMeshed, dst: meshedApp, res: ok(plainLocal, appReply("10.213.0.2"))},
+			[]proxysim.Record{conn("inbound", 15006, plainLocal, meshedApp)}, "saw the connection from 10.213.0.2, want 127.0.0.6", "inbound :15006"},
+		{"not connected", sent{p: proxyToServer, dst: server, res: proxysim.ProbeResult{Error: "refused"}},
+			nil, "not connected: refused", "no"},
+		{"no answer", sent{p: proxyToServer, dst: server, res: ok(local, "")},
+			nil, "no answer from server", "no"},
+		{"exec failed", sent{p: proxyToServer, dst: server, err: errors.New("exec: boom")},
+			nil, "exec: boom", "no"},
+	} {
+		row, problems := judge(tc.s, tc.records, ips)
+		got := strings.Join(problems, "; ")
+		if (tc.want == "") != row.OK || (tc.want == "" && got != "") || !strings.Contains(got, tc.want) {
+			t.Errorf("%s: OK=%v problems %q, want %q", tc.name, row.OK, got, tc.want)
+		}
+		if row.Captured != tc.capt {
+			t.Errorf("%s: captured %q, want %q", tc.name, row.Captured, tc.capt)
+		}
 	}
 }
