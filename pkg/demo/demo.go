@@ -407,7 +407,7 @@ func (r *runner) waitUntainted(ctx context.Context) error {
 func (r *runner) app(ctx context.Context) error {
 	wctx, cancel := context.WithTimeout(ctx, r.o.Timeout)
 	defer cancel()
-	if err := deleteNamespace(wctx, r.tb); err != nil {
+	if err := deleteNamespace(wctx, r.tb, Namespace); err != nil {
 		return err
 	}
 	if err := r.tb.CreateNamespace(wctx, Namespace); err != nil {
@@ -445,22 +445,24 @@ func (r *runner) app(ctx context.Context) error {
 	return nil
 }
 
-func deleteNamespace(ctx context.Context, tb *testbed.Testbed) error {
-	err := tb.Client.CoreV1().Namespaces().Delete(ctx, Namespace, metav1.DeleteOptions{})
+// deleteNamespace deletes a namespace and waits until it is gone (a Terminating
+// namespace refuses new objects).
+func deleteNamespace(ctx context.Context, tb *testbed.Testbed, name string) error {
+	err := tb.Client.CoreV1().Namespaces().Delete(ctx, name, metav1.DeleteOptions{})
 	if apierrors.IsNotFound(err) {
 		return nil
 	}
 	if err != nil {
-		return fmt.Errorf("delete namespace %s: %w", Namespace, err)
+		return fmt.Errorf("delete namespace %s: %w", name, err)
 	}
 	for {
-		_, err := tb.Client.CoreV1().Namespaces().Get(ctx, Namespace, metav1.GetOptions{})
+		_, err := tb.Client.CoreV1().Namespaces().Get(ctx, name, metav1.GetOptions{})
 		if apierrors.IsNotFound(err) {
 			return nil
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("namespace %s not gone: %w", Namespace, ctx.Err())
+			return fmt.Errorf("namespace %s not gone: %w", name, ctx.Err())
 		case <-time.After(200 * time.Millisecond):
 		}
 	}

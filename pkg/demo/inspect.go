@@ -149,7 +149,7 @@ func Down(ctx context.Context, tb *testbed.Testbed, repoRoot, helm string, timeo
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	if err := deleteNamespace(ctx, tb); err != nil {
+	if err := deleteNamespace(ctx, tb, Namespace); err != nil {
 		return err
 	}
 	if helm == "" {
@@ -174,10 +174,5 @@ func Down(ctx context.Context, tb *testbed.Testbed, repoRoot, helm string, timeo
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
-	if _, err := tb.Client.CoreV1().Namespaces().Get(ctx, ReleaseNamespace, metav1.GetOptions{}); err == nil {
-		if err := tb.Client.CoreV1().Namespaces().Delete(ctx, ReleaseNamespace, metav1.DeleteOptions{}); err != nil {
-			return fmt.Errorf("delete namespace %s: %w", ReleaseNamespace, err)
-		}
-	}
-	return nil
+	return deleteNamespace(ctx, tb, ReleaseNamespace)
 }
