@@ -1,0 +1,279 @@
+package deploy_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/pkg/images"
+	"github.com/meshcni/meshcni/pkg/taint"
+	"github.com/meshcni/meshcni/pkg/testbed"
+)
+
+// installNamespace is where TestHelmInstall installs (its own test bed, torn down after).
+const installNamespace = "meshcni-install-test"
+
+// TestHelmInstall installs the chart for real with helm on a full test bed (kubelet,
+// containerd, the image built by pkg/images), with deploy/testbed-values.yaml: the agent
+// pod goes Ready and puts the plugin, its kubeconfig and its entry on the node; the taint
+// controller removes the not-ready taint; `helm upgrade` rolls the agent and the node
+// keeps one entry; `helm uninstall` leaves the node as it was.
+func TestHelmInstall(t *testing.T) {
+	testutil.RequireRoot(t)
+	if _, err := testbed.Lookup(); err != nil {
+		if errors.Is(err, testbed.ErrNotBuilt) {
+			testutil.Missing(t, "%v", err)
+		}
+		t.Fatal(err)
+	}
+	helm := helmBinary(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	root, err := testbed.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	began := time.Now()
+	archive := filepath.Join(t.TempDir(), "meshcni.tar")
+	img, err := images.Build(ctx, images.Options{RepoRoot: root, Hub: images.DefaultHub, Tag: images.DefaultTag, Out: archive, WorkDir: t.TempDir()})
+	if err != nil {
+		t.Fatalf("build the image: %v", err)
+	}
+	t.Logf("image %s built in %s", img.Ref, time.Since(began).Round(time.Millisecond))
+
+	tb, err := testbed.Start(ctx, testbed.Options{ImageArchives: []string{archive}})
+	if errors.Is(err, testbed.ErrRunning) {
+		// A shared test bed (hack/testbed up) may have meshcni installed already: a second
+		// host-network agent could not even bind its port.
+		testutil.Missing(t, "a shared test bed is running (hack/testbed up): stop it to run this test")
+	}
+	if err != nil {
+		t.Fatalf("test bed: %v", err)
+	}
+	t.Cleanup(func() { _ = tb.Stop(context.Background()) })
+	createNamespace(ctx, t, tb, installNamespace)
+	before := cniSnapshot(t)
+
+	run := func(args ...string) string {
+		t.Helper()
+		cmd := exec.CommandContext(ctx, helm, args...)
+		cmd.Env = append(helmEnv(helmHome), "KUBECONFIG="+tb.Kubeconfig())
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("helm %s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+		return string(out)
+	}
+	values := []string{"--namespace", installNamespace, "--values", "testbed-values.yaml"}
+	installed := time.Now()
+	out := run(append([]string{"install", release, chartDir}, values...)...)
+	if !strings.Contains(out, "STATUS: deployed") || !strings.Contains(out, "kubectl -n "+installNamespace+" rollout status daemonset/meshcni-agent") {
+		t.Errorf("helm install output (NOTES):\n%s", out)
+	}
+	waitAgent := func(what string) {
+		t.Helper()
+		wctx, wcancel := context.WithTimeout(ctx, 2*time.Minute)
+		defer wcancel()
+		if _, err := tb.WaitDaemonSet(wctx, installNamespace, "meshcni-agent"); err != nil {
+			t.Fatalf("%s: %v\n%s", what, err, diagnose(ctx, tb))
+		}
+	}
+	waitAgent("after helm install")
+	t.Logf("agent Ready %s after helm install", time.Since(installed).Round(time.Millisecond))
+	checkInstalled(t)
+
+	// The taint controller runs, leads, and leaves the node untainted (its agent is Ready).
+	if err := poll(ctx, 30*time.Second, func() error {
+		d, err := tb.Client.AppsV1().Deployments(installNamespace).Get(ctx, "meshcni-taint-controller", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		if d.Status.ReadyReplicas != 1 {
+			return fmt.Errorf("taint controller: %d ready replicas", d.Status.ReadyReplicas)
+		}
+		n, err := tb.Client.CoreV1().Nodes().Get(ctx, testbed.NodeName, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		for _, tn := range n.Spec.Taints {
+			if tn.Key == taint.TaintKey {
+				return fmt.Errorf("node still tainted %s", tn.Key)
+			}
+		}
+		if _, err := tb.Client.CoordinationV1().Leases(installNamespace).Get(ctx, "meshcni-taint-controller", metav1.GetOptions{}); err != nil {
+			return fmt.Errorf("no Lease: %w", err)
+		}
+		return nil
+	}); err != nil {
+		t.Fatalf("%v\n%s", err, diagnose(ctx, tb))
+	}
+	t.Logf("taint controller Ready and leading, node untainted %s after helm install", time.Since(installed).Round(time.Millisecond))
+
+	// helm upgrade changes the pod template: the DaemonSet rolls, the node keeps one entry.
+	old := agentPodNames(ctx, t, tb)
+	run(append([]string{"upgrade", release, chartDir, "--set", "logLevel=info"}, values...)...)
+	if err := poll(ctx, 2*time.Minute, func() error {
+		now := agentPodNames(ctx, t, tb)
+		if len(now) != 1 || slices.Contains(old, now[0]) {
+			return fmt.Errorf("agent pods %v (before %v)", now, old)
+		}
+		return nil
+	}); err != nil {
+		t.Fatalf("rolling upgrade: %v\n%s", err, diagnose(ctx, tb))
+	}
+	waitAgent("after helm upgrade")
+	checkInstalled(t)
+
+	// helm uninstall: each agent removes what it installed.
+	run("uninstall", release, "--namespace", installNamespace, "--wait")
+	if err := poll(ctx, time.Minute, func() error {
+		if n := agentPodNames(ctx, t, tb); len(n) > 0 {
+			return fmt.Errorf("agent pods left: %v", n)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if after := cniSnapshot(t); after != before {
+		t.Errorf("the node's CNI directories after helm uninstall differ from before install:\nbefore:\n%s\nafter:\n%s", before, after)
+	}
+	if _, err := os.Stat("/var/run/meshcni/meshcni-kubeconfig"); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("plugin kubeconfig left after helm uninstall (stat: %v)", err)
+	}
+	t.Logf("install → uninstall took %s", time.Since(installed).Round(time.Millisecond))
+}
+
+// checkInstalled: the node holds the plugin binary, the kubeconfig and exactly one meshcni
+// entry, and the agent's /readyz (host network, port 9807) says so.
+func checkInstalled(t *testing.T) {
+	t.Helper()
+	if st, err := os.Stat(filepath.Join(testbed.CNIBinDir, "meshcni")); err != nil || st.Mode()&0o111 == 0 {
+		t.Errorf("plugin binary in %s: %v", testbed.CNIBinDir, err)
+	}
+	if st, err := os.Stat("/var/run/meshcni/meshcni-kubeconfig"); err != nil || st.Mode().Perm() != 0o600 {
+		t.Errorf("plugin kubeconfig: %v", err)
+	}
+	b, err := os.ReadFile(filepath.Join(testbed.CNIConfDir, testbed.DefaultConflistName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var list struct {
+		Plugins []struct {
+			Type string `json:"type"`
+		} `json:"plugins"`
+	}
+	if err := json.Unmarshal(b, &list); err != nil {
+		t.Fatalf("%s: %v", testbed.DefaultConflistName, err)
+	}
+	n := 0
+	for i, p := range list.Plugins {
+		if p.Type == "meshcni" {
+			n++
+			if i != len(list.Plugins)-1 {
+				t.Errorf("meshcni entry is not last: %s", b)
+			}
+		}
+	}
+	if n != 1 {
+		t.Errorf("%d meshcni entries in %s", n, b)
+	}
+	resp, err := http.Get("http://127.0.0.1:9807/readyz")
+	if err != nil {
+		t.Fatalf("agent /readyz: %v", err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("agent /readyz: %s %s", resp.Status, body)
+	}
+}
+
+// cniSnapshot lists the node's CNI directories: names, sizes and configuration content.
+func cniSnapshot(t *testing.T) string {
+	t.Helper()
+	var b strings.Builder
+	for _, dir := range []string{testbed.CNIConfDir, testbed.CNIBinDir} {
+		entries, err := os.ReadDir(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range entries {
+			fmt.Fprintf(&b, "%s/%s", dir, e.Name())
+			if dir == testbed.CNIConfDir {
+				c, _ := os.ReadFile(filepath.Join(dir, e.Name()))
+				fmt.Fprintf(&b, ": %s", c)
+			}
+			b.WriteString("\n")
+		}
+	}
+	return b.String()
+}
+
+func agentPodNames(ctx context.Context, t *testing.T, tb *testbed.Testbed) []string {
+	t.Helper()
+	pods, err := tb.Client.CoreV1().Pods(installNamespace).List(ctx, metav1.ListOptions{
+		LabelSelector: "app.kubernetes.io/name=meshcni,app.kubernetes.io/component=agent"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, p := range pods.Items {
+		names = append(names, p.Name)
+	}
+	return names
+}
+
+// diagnose describes the install namespace's pods, their logs and Events.
+func diagnose(ctx context.Context, tb *testbed.Testbed) string {
+	var b strings.Builder
+	pods, _ := tb.Client.CoreV1().Pods(installNamespace).List(ctx, metav1.ListOptions{})
+	for _, p := range pods.Items {
+		fmt.Fprintf(&b, "pod %s: %s %+v\n", p.Name, p.Status.Phase, p.Status.ContainerStatuses)
+		for _, c := range p.Spec.Containers {
+			logs, err := tb.PodLogs(ctx, installNamespace, p.Name, c.Name)
+			fmt.Fprintf(&b, "--- logs %s/%s (%v):\n%s\n", p.Name, c.Name, err, tail(logs, 3000))
+		}
+	}
+	ev, _ := tb.Client.CoreV1().Events(installNamespace).List(ctx, metav1.ListOptions{})
+	for _, e := range ev.Items {
+		fmt.Fprintf(&b, "event %s %s %s: %s\n", e.InvolvedObject.Name, e.Type, e.Reason, e.Message)
+	}
+	return b.String()
+}
+
+func tail(s string, n int) string {
+	if len(s) > n {
+		return "…" + s[len(s)-n:]
+	}
+	return s
+}
+
+// poll runs check every 100 ms until it succeeds or timeout passes (its last error).
+func poll(ctx context.Context, timeout time.Duration, check func() error) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	for {
+		err := check()
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w (last: %v)", ctx.Err(), err)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
