@@ -137,8 +137,9 @@ func TestPrintGolden(t *testing.T) {
 
 // TestDemo is `make demo` end to end on the real test bed: image built and imported,
 // chart installed with Helm, agent DaemonSet ready and plugin installed by it, demo
-// pods, traffic, inspect, then uninstall (the agent must take the plugin out of the
-// node). Under CI=true it must run.
+// pods, traffic, inspect — twice, the second run on top of the first's install (a
+// rebuilt image rolls the agent) — then uninstall (the agent must take the plugin
+// out of the node). Under CI=true it must run.
 func TestDemo(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireBinary(t, "go")
@@ -150,35 +151,46 @@ func TestDemo(t *testing.T) {
 	tb := testbed.Shared(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	var out bytes.Buffer
-	began := time.Now()
-	rep, err := Run(ctx, tb, Options{RepoRoot: root, Out: &out, Keep: false})
-	t.Logf("demo output:\n%s", out.String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("demo took %s", time.Since(began).Round(time.Millisecond))
-	if len(rep.Connections) != len(probes()) {
-		t.Errorf("%d connections in the report, want %d", len(rep.Connections), len(probes()))
-	}
-	captured := 0
-	for _, c := range rep.Connections {
-		if !c.OK {
-			t.Errorf("connection not as expected: %+v", c)
+	// Twice, as a user runs `make demo` again on the running install: first keeping
+	// everything (make demo), then on top of it and uninstalling at the end.
+	for _, keep := range []bool{true, false} {
+		var out bytes.Buffer
+		began := time.Now()
+		rep, err := Run(ctx, tb, Options{RepoRoot: root, Out: &out, Keep: keep})
+		t.Logf("demo (keep %v) output:\n%s", keep, out.String())
+		if err != nil {
+			if keep {
+				_ = Down(context.Background(), tb, root, "", 0)
+			}
+			t.Fatal(err)
 		}
-		if c.Captured != "no" {
-			captured++
+		t.Logf("demo (keep %v) took %s", keep, time.Since(began).Round(time.Millisecond))
+		if len(rep.Connections) != len(probes()) {
+			t.Errorf("%d connections in the report, want %d", len(rep.Connections), len(probes()))
 		}
-	}
-	if captured != 3 {
-		t.Errorf("%d connections captured, want 3", captured)
-	}
-	if rep.Inspect == nil || rep.Inspect.Status != "in-sync" || len(rep.Inspect.Backends()) != 1 {
-		t.Errorf("inspect of the meshed pod: %+v", rep.Inspect)
-	}
-	for _, want := range []string{"REDIRECTED", "outbound :15001", "inbound :15006", "127.0.0.6", "OK: "} {
-		if !strings.Contains(out.String(), want) {
-			t.Errorf("output lacks %q", want)
+		captured := 0
+		for _, c := range rep.Connections {
+			if !c.OK {
+				t.Errorf("connection not as expected: %+v", c)
+			}
+			if c.Captured != "no" {
+				captured++
+			}
+		}
+		if captured != 3 {
+			t.Errorf("%d connections captured, want 3", captured)
+		}
+		if rep.Inspect == nil || rep.Inspect.Status != "in-sync" || len(rep.Inspect.Backends()) != 1 {
+			t.Errorf("inspect of the meshed pod: %+v", rep.Inspect)
+		}
+		for _, want := range []string{"REDIRECTED", "outbound :15001", "inbound :15006", "127.0.0.6", "OK: "} {
+			if !strings.Contains(out.String(), want) {
+				t.Errorf("output lacks %q", want)
+			}
+		}
+		bin, entry, err := pluginState("")
+		if keep && (err != nil || !bin || !entry) {
+			t.Errorf("kept install: plugin binary %v, entry %v, err %v", bin, entry, err)
 		}
 	}
 	// Uninstalled: the agent removed the plugin from the node.
