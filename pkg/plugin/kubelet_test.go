@@ -6,6 +6,7 @@ package plugin_test
 
 import (
 	"context"
+	"encoding/json"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -17,6 +18,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
@@ -30,10 +32,36 @@ const (
 	excludedNS = "excluded-e2e"
 )
 
-// commands records the CNI command results the plugin reports to the agent socket.
+// commands records the CNI command results the plugin reports to the agent socket,
+// and the pod lookups the agent answered.
 type commands struct {
-	mu   sync.Mutex
-	list []agentsock.CommandResult
+	mu      sync.Mutex
+	list    []agentsock.CommandResult
+	lookups []lookup
+}
+
+type lookup struct {
+	req   agentsock.PodRequest
+	found bool
+}
+
+func (c *commands) addLookup(req agentsock.PodRequest, found bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.lookups = append(c.lookups, lookup{req, found})
+}
+
+// lookupsOf returns the found flags of the lookups of one pod, in order.
+func (c *commands) lookupsOf(ns, name string) []bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []bool
+	for _, l := range c.lookups {
+		if l.req.Namespace == ns && l.req.Name == name {
+			out = append(out, l.found)
+		}
+	}
+	return out
 }
 
 func (c *commands) add(r *agentsock.CommandResult) {
@@ -78,6 +106,23 @@ func installOnNode(t *testing.T, tb *testbed.Testbed) *commands {
 	srv := &agentsock.Server{Path: agentsock.Path(runDir), OnCommand: rec.add, OnLog: func(r *agentsock.LogRecord) {
 		t.Logf("plugin %s %s/%s: %s %v", r.Level, r.Pod.Namespace, r.Pod.Name, r.Msg, r.Attrs)
 	}}
+	// The agent's answer to pod lookups: a real informer cache of the node's pods.
+	cache := nodeCache(t, tb, testbed.NodeName)
+	srv.OnRequest = func(_ context.Context, req *agentsock.Request) (json.RawMessage, error) {
+		if req.Type != agentsock.RequestPod {
+			return nil, agentsock.ErrUnsupported
+		}
+		var pr agentsock.PodRequest
+		if err := json.Unmarshal(req.Body, &pr); err != nil {
+			return nil, err
+		}
+		resp, err := agent.AnswerPod(cache, pr)
+		if err != nil {
+			return nil, err
+		}
+		rec.addLookup(pr, resp.Found)
+		return json.Marshal(resp)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); _ = srv.Serve(ctx) }()
@@ -174,6 +219,10 @@ func TestKubeletChain(t *testing.T) {
 		}
 		if r := rec.find(agentsock.CommandAdd, meshNS, pod.Name); len(r) == 0 || r[len(r)-1].Result != agentsock.ResultSuccess {
 			t.Fatalf("ADD results %+v", r)
+		}
+		// kubelet's ADD got the pod from the agent's node cache, not the API server.
+		if l := rec.lookupsOf(meshNS, pod.Name); len(l) == 0 || !l[len(l)-1] {
+			t.Fatalf("pod lookups through the agent: %v, want the last one answered from the cache", l)
 		}
 		if err := tb.DeletePod(ctx, meshNS, pod.Name); err != nil {
 			t.Fatal(err)
