@@ -98,6 +98,7 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 		if err != nil {
 			return nil, err
 		}
+		pods.Log = log.With("component", "node-pods")
 		a.Pods = pods
 		a.Socket.Pods = pods
 		a.runnables = append(a.runnables, pods)

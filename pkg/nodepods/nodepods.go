@@ -7,6 +7,7 @@ package nodepods
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -21,6 +22,9 @@ import (
 
 // Cache holds the node's pods.
 type Cache struct {
+	// Log, when set, gets one line when the first list is in the cache.
+	Log *slog.Logger
+
 	node     string
 	factory  informers.SharedInformerFactory
 	informer cache.SharedIndexInformer
@@ -59,7 +63,11 @@ func (c *Cache) Node() string { return c.node }
 
 // Run watches until ctx ends. Handlers must be added before Run.
 func (c *Cache) Run(ctx context.Context) error {
+	began := time.Now()
 	c.factory.Start(ctx.Done())
+	if c.Log != nil && c.WaitForSync(ctx) {
+		c.Log.Info("node pods cached", "node", c.node, "pods", len(c.List()), "took", time.Since(began).Round(time.Millisecond).String())
+	}
 	<-ctx.Done()
 	c.factory.Shutdown()
 	return nil
