@@ -8,6 +8,7 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/repair"
 	"github.com/meshcni/meshcni/pkg/taint"
+	"github.com/meshcni/meshcni/pkg/testbed"
 )
 
 // matrixCase is a set of values (--set, or @file for --values) and what its rendering
@@ -183,7 +184,7 @@ func matrix() []matrixCase {
 		{name: "testbed", values: []string{"@testbed-values.yaml"}, check: func(t *testing.T, c *chart) {
 			if c.agentC.CNIBinDir != "/var/lib/meshcni-testbed/cni/bin" || agentEnv(c)["KUBERNETES_SERVICE_PORT"].Value != "6443" ||
 				c.agent.Spec.Template.Spec.Containers[0].Image != "meshcni.local/meshcni:dev" || *c.taint.Spec.Replicas != 1 ||
-				!c.agent.Spec.Template.Spec.HostPID || len(c.agentC.RepairNetnsDirs) != 0 {
+				c.agent.Spec.Template.Spec.HostPID || strings.Join(c.agentC.RepairNetnsDirs, ",") != testbed.NetnsDir || !mountPaths(c)[testbed.NetnsDir] {
 				t.Errorf("agent config %+v", c.agentC)
 			}
 		}},

@@ -218,9 +218,6 @@ func (r *runner) install(ctx context.Context) error {
 	}
 	r.step("image imported into the test bed's containerd")
 
-	if err := shareRunDir(); err != nil {
-		return err
-	}
 	if r.helm, err = helmPath(ctx, o.RepoRoot); err != nil {
 		return err
 	}
@@ -234,9 +231,6 @@ func (r *runner) install(ctx context.Context) error {
 		"--set-string", "apiServer.host=" + testbed.APIServerHost,
 		"--set", "apiServer.port=" + strconv.Itoa(testbed.APIServerPort),
 		"--set", "taintController.enabled=true",
-		// Only the test bed's netns directory: /var/run/netns is on this machine's /,
-		// a private mount, which a HostToContainer volume cannot come from.
-		"--set-json", `repair.netnsDirs=["` + testbed.NetnsDir + `"]`,
 		"--set-string", "podAnnotations." + strings.ReplaceAll(imageAnnotation, ".", `\.`) + "=" + img.IndexDigest,
 	}
 	if _, err := r.runHelm(ctx, args...); err != nil {

@@ -323,6 +323,13 @@ func (tb *Testbed) start(ctx context.Context, opts Options) error {
 	if err := unix.Mount("tmpfs", RunDir, "tmpfs", 0, "mode=0755,size=4g"); err != nil {
 		return fmt.Errorf("mount tmpfs on %s: %w", RunDir, err)
 	}
+	// Shared, so a pod may mount containerd's netns directory (NetnsDir) with
+	// mountPropagation HostToContainer, as the agent's repair does: the kubelet
+	// refuses that from a private mount, which the tmpfs is on a host whose / is
+	// private (no systemd).
+	if err := unix.Mount("", RunDir, "", unix.MS_SHARED|unix.MS_REC, ""); err != nil {
+		return fmt.Errorf("make %s a shared mount: %w", RunDir, err)
+	}
 	for _, d := range []string{etcdDataDir, containerdState, CNIConfDir, CNIBinDir, kubeletDir, containerdRoot, podLogsDir} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return err
