@@ -89,14 +89,8 @@ func EnvName(flagName string) string { return flagenv.Name(EnvPrefix, flagName) 
 func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Config, error) {
 	c := &Config{}
 	fs, finish := c.flagSet(usage)
-	if err := flagenv.Bind(fs, EnvPrefix, getenv); err != nil {
+	if err := flagenv.Parse(fs, EnvPrefix, args, getenv); err != nil {
 		return nil, err
-	}
-	if err := fs.Parse(args); err != nil {
-		return nil, err
-	}
-	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
 	}
 	if err := finish(); err != nil {
 		return nil, err

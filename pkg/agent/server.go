@@ -2,14 +2,12 @@ package agent
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
-	"time"
 
-	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/meshcni/meshcni/pkg/healthz"
 )
 
 // HealthServer serves /healthz (alive), /readyz (ready: Ready returns nil, checked
@@ -28,19 +26,7 @@ func (s *HealthServer) Name() string { return "health server" }
 
 // Handler returns the server's routes.
 func (s *HealthServer) Handler() http.Handler {
-	mux := http.NewServeMux()
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
-		fmt.Fprintln(w, "ok")
-	})
-	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
-		if err := s.Ready(); err != nil {
-			http.Error(w, "not ready: "+err.Error(), http.StatusServiceUnavailable)
-			return
-		}
-		fmt.Fprintln(w, "ok")
-	})
-	mux.Handle("GET /metrics", promhttp.HandlerFor(s.Metrics.Registry, promhttp.HandlerOpts{Registry: s.Metrics.Registry}))
-	return mux
+	return healthz.Handler(nil, s.Ready, s.Metrics.Registry)
 }
 
 // Run listens on Addr and serves until ctx ends.
@@ -53,21 +39,5 @@ func (s *HealthServer) Run(ctx context.Context) error {
 		s.listening <- l.Addr()
 	}
 	s.Log.Info("serving /healthz, /readyz and /metrics", "addr", l.Addr().String())
-	srv := &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 5 * time.Second}
-	errc := make(chan error, 1)
-	go func() { errc <- srv.Serve(l) }()
-	select {
-	case err := <-errc:
-		return fmt.Errorf("health server: %w", err)
-	case <-ctx.Done():
-	}
-	shut, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
-	if err := srv.Shutdown(shut); err != nil {
-		return fmt.Errorf("health server shutdown: %w", err)
-	}
-	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
-		return err
-	}
-	return nil
+	return healthz.Serve(ctx, l, s.Handler())
 }

@@ -33,3 +33,18 @@ func Bind(fs *flag.FlagSet, prefix string, getenv func(string) string) error {
 	})
 	return errors.Join(errs...)
 }
+
+// Parse binds the environment (Bind), then parses args, refusing positional
+// arguments: what a meshcni command with flags only does at start.
+func Parse(fs *flag.FlagSet, prefix string, args []string, getenv func(string) string) error {
+	if err := Bind(fs, prefix, getenv); err != nil {
+		return err
+	}
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	return nil
+}

@@ -48,3 +48,15 @@ func TestBind(t *testing.T) {
 		})
 	}
 }
+
+func TestParseRefusesArguments(t *testing.T) {
+	fs := flag.NewFlagSet("t", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.String("a", "", "")
+	if err := Parse(fs, "P_", []string{"--a", "x", "stray"}, func(string) string { return "" }); err == nil || !strings.Contains(err.Error(), "stray") {
+		t.Fatalf("Parse with a positional argument: %v, want an error naming it", err)
+	}
+	if err := Parse(fs, "P_", []string{"--nope"}, func(string) string { return "" }); err == nil {
+		t.Fatal("Parse with an unknown flag: want an error")
+	}
+}

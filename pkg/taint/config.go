@@ -62,14 +62,8 @@ func (c *Config) Policy() Policy { return Policy{Grace: c.GracePeriod, TaintNewN
 func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Config, error) {
 	c := &Config{}
 	fs, finish := c.flagSet(getenv("POD_NAMESPACE"), usage)
-	if err := flagenv.Bind(fs, EnvPrefix, getenv); err != nil {
+	if err := flagenv.Parse(fs, EnvPrefix, args, getenv); err != nil {
 		return nil, err
-	}
-	if err := fs.Parse(args); err != nil {
-		return nil, err
-	}
-	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
 	}
 	if err := finish(); err != nil {
 		return nil, err
