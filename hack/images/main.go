@@ -11,11 +11,10 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"slices"
-	"strings"
 	"syscall"
 
+	"github.com/meshcni/meshcni/internal/reporoot"
 	"github.com/meshcni/meshcni/pkg/images"
 )
 
@@ -36,7 +35,7 @@ func main() {
 		fmt.Fprintf(os.Stderr, "images: --arch: %v\n", err)
 		os.Exit(2)
 	}
-	root, err := repoRoot()
+	root, err := reporoot.Find()
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "images: %v\n", err)
 		os.Exit(1)
@@ -63,26 +62,5 @@ func main() {
 		}
 		slices.Sort(cmds)
 		fmt.Printf("  linux/%s  %s  layer %.1f MB  %v\n", p.Arch, p.Digest, float64(p.Size)/1e6, cmds)
-	}
-}
-
-// repoRoot is the meshcni module root above the working directory (not
-// testbed.RepoRoot: this command stays free of the Kubernetes client, so a cold
-// `make images` compiles less).
-func repoRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", err
-	}
-	for {
-		b, err := os.ReadFile(filepath.Join(dir, "go.mod"))
-		if err == nil && strings.Contains(string(b), "module github.com/meshcni/meshcni\n") {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", fmt.Errorf("no meshcni go.mod above the working directory")
-		}
-		dir = parent
 	}
 }

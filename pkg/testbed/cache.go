@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/meshcni/meshcni/internal/reporoot"
 	"github.com/meshcni/meshcni/pkg/ociimage"
 )
 
@@ -86,21 +87,11 @@ func CacheRoot() string {
 
 // RepoRoot finds the meshcni module root, walking up from the working directory.
 func RepoRoot() (string, error) {
-	dir, err := os.Getwd()
+	dir, err := reporoot.Find()
 	if err != nil {
-		return "", err
+		return "", fmt.Errorf("testbed: %w", err)
 	}
-	for {
-		b, err := os.ReadFile(filepath.Join(dir, "go.mod"))
-		if err == nil && strings.Contains(string(b), "module github.com/meshcni/meshcni\n") {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("testbed: no meshcni go.mod above the working directory")
-		}
-		dir = parent
-	}
+	return dir, nil
 }
 
 var (
