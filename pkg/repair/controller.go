@@ -258,25 +258,41 @@ func (c *Controller) next(ctx context.Context) bool {
 	return true
 }
 
-func (c *Controller) state(uid types.UID) *podState {
-	st := c.done[uid]
-	if st == nil {
-		st = &podState{keys: map[string]bool{}}
-		c.done[uid] = st
+// state returns what was done to pod, creating the record; nil when the cache no
+// longer holds the pod (same UID): it was deleted meanwhile, and forget has run or
+// will run, so a record made now would never be dropped. Call it with c.mu held. The
+// informer updates its cache before it calls forget, and forget takes c.mu, so a pod
+// found here is forgotten after this record is made, never before.
+func (c *Controller) state(pod *corev1.Pod) *podState {
+	st := c.done[pod.UID]
+	if st != nil {
+		return st
 	}
+	if cur, ok := c.o.Pods.Get(pod.Namespace, pod.Name); !ok || cur.UID != pod.UID {
+		return nil
+	}
+	st = &podState{keys: map[string]bool{}}
+	c.done[pod.UID] = st
 	return st
+}
+
+// tracked is the number of pods with a record (tests: it must not outgrow the node's pods).
+func (c *Controller) tracked() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.done)
 }
 
 // handled reports whether the decision needs no action: its key was handled, or (in
 // place) the failed run started no later than the last repair of the pod, so it may
 // have run before the rules were there (times have a resolution of one second).
 // A pod repaired MaxRepairsPerPod times is not repaired again: it fails for another
-// reason; that is reported once (giveUp).
-func (c *Controller) handled(uid types.UID, d Decision) (done, giveUp bool) {
+// reason; that is reported once (giveUp). A pod deleted meanwhile needs nothing.
+func (c *Controller) handled(pod *corev1.Pod, d Decision) (done, giveUp bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	st := c.state(uid)
-	if st.keys[d.Key] {
+	st := c.state(pod)
+	if st == nil || st.keys[d.Key] {
 		return true, false
 	}
 	if d.Action == ActionRepair && st.repairs > 0 {
@@ -292,10 +308,13 @@ func (c *Controller) handled(uid types.UID, d Decision) (done, giveUp bool) {
 	return false, false
 }
 
-func (c *Controller) markDone(uid types.UID, d Decision, repaired time.Time) {
+func (c *Controller) markDone(pod *corev1.Pod, d Decision, repaired time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	st := c.state(uid)
+	st := c.state(pod)
+	if st == nil { // deleted meanwhile (e.g. by the delete action): nothing to remember
+		return
+	}
 	st.keys[d.Key] = true
 	if !repaired.IsZero() {
 		st.repairs++
@@ -325,7 +344,7 @@ func (c *Controller) process(ctx context.Context, key string) {
 		c.queue.Forget(key)
 		return
 	}
-	if done, giveUp := c.handled(pod.UID, d); done {
+	if done, giveUp := c.handled(pod, d); done {
 		c.queue.Forget(key)
 		if giveUp {
 			msg := fmt.Sprintf("meshcni repaired the pod's traffic redirect in place %d times and %s still fails (exit %d): the redirect may not be the cause; not repairing again",
@@ -345,7 +364,7 @@ func (c *Controller) process(ctx context.Context, key string) {
 		if d.Action == ActionRepair {
 			repaired = time.Now()
 		}
-		c.markDone(pod.UID, d, repaired)
+		c.markDone(pod, d, repaired)
 		c.o.Metrics.Repairs.WithLabelValues(string(d.Action), resultSuccess).Inc()
 		c.o.Events.Event(pod, corev1.EventTypeNormal, successReason(d.Action), detail)
 		log.Info(LogSucceeded, "action", d.Action, "result", resultSuccess, "detail", detail, "reason", d.Reason,
@@ -360,7 +379,7 @@ func (c *Controller) process(ctx context.Context, key string) {
 		msg := fmt.Sprintf("meshcni could not %s the unredirected pod (attempt %d of %d): %v", verb(d.Action), attempts, c.o.MaxAttempts, err)
 		if attempts >= c.o.MaxAttempts {
 			c.queue.Forget(key)
-			c.markDone(pod.UID, d, time.Time{})
+			c.markDone(pod, d, time.Time{})
 			c.o.Events.Event(pod, corev1.EventTypeWarning, ReasonGaveUp, msg+"; giving up on this pod")
 			log.Error(LogGaveUp, "action", d.Action, "result", resultError, "reason", d.Reason, "err", err, "attempts", attempts)
 			return

@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -292,4 +293,52 @@ func TestControllerLeavesOthersAlone(t *testing.T) {
 	if h.count(ActionDelete, resultSuccess)+h.count(ActionDelete, resultError) != 0 {
 		t.Fatal("metrics")
 	}
+}
+
+// The once-per-UID records live only as long as their pods: dropped when a repaired
+// pod is deleted, and never made for a pod the delete action removed (its informer
+// delete may arrive before the action's bookkeeping).
+func TestControllerForgetsDeletedPods(t *testing.T) {
+	t.Run("repair", func(t *testing.T) {
+		h := start(t, ActionRepair, nil, brokenPod())
+		if e := h.nextEvent(t); !strings.HasPrefix(e, "Normal "+ReasonRepaired+" ") {
+			t.Fatalf("Event %q", e)
+		}
+		if n := h.c.tracked(); n != 1 {
+			t.Fatalf("%d pods tracked after the repair, want 1", n)
+		}
+		if err := h.client.CoreV1().Pods("app").Delete(context.Background(), "web", metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "record of the deleted pod dropped", func() bool { return h.c.tracked() == 0 })
+	})
+	t.Run("delete", func(t *testing.T) {
+		// The pod's informer delete (forget) comes before the action's bookkeeping:
+		// the reactor deletes the pod and returns only once forget has run.
+		var c atomic.Pointer[Controller]
+		started := make(chan struct{})
+		h := start(t, ActionDelete, func(_ *Options, cs *fake.Clientset) {
+			cs.PrependReactor("delete", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
+				<-started
+				d := a.(k8stesting.DeleteActionImpl)
+				if err := cs.Tracker().Delete(d.GetResource(), d.GetNamespace(), d.GetName()); err != nil {
+					return true, nil, err
+				}
+				for deadline := time.Now().Add(5 * time.Second); c.Load().tracked() != 0; time.Sleep(time.Millisecond) {
+					if time.Now().After(deadline) {
+						return true, nil, errors.New("test: the deleted pod was not forgotten within 5s")
+					}
+				}
+				return true, nil, nil
+			})
+		}, brokenPod())
+		c.Store(h.c)
+		close(started)
+		if e := h.nextEvent(t); !strings.HasPrefix(e, "Normal "+ReasonDeleted+" ") {
+			t.Fatalf("Event %q", e)
+		}
+		if n := h.c.tracked(); n != 0 {
+			t.Fatalf("%d pods tracked after the pod was deleted, want 0", n)
+		}
+	})
 }
