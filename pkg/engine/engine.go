@@ -24,10 +24,13 @@ type Options struct {
 	NetnsPath string
 	Logger    *slog.Logger
 	// HandOff, when set, receives duplicates of the nftables netlink sockets the
-	// engine used, after their work is committed, and must close them itself (the CNI
-	// plugin passes them to the node agent): the engine then never waits for the
-	// kernel's reclaim of deleted nftables objects (see sockets). On an error, or
-	// when nil, the engine closes them itself.
+	// engine used, once their work is done (committed, or failed), before the engine
+	// closes them. It must pass them to a process that holds its own copies and
+	// closes them after the engine's close (the CNI plugin sends them to the node
+	// agent, agentsock.Client.Release): the engine's close is then not the last one
+	// and never waits for the kernel's reclaim of deleted nftables objects (see
+	// sockets). The engine closes its copies whatever HandOff returns; an error only
+	// means that close may wait.
 	HandOff func(fds ...int) error
 }
 

@@ -39,7 +39,9 @@ func (s *sockets) opt() nftables.SockOption {
 	}
 }
 
-// release hands the duplicates to o.HandOff (when set) and closes them.
+// release hands the duplicates to o.HandOff (when set), then closes them: after a
+// successful hand-off the receiver holds its own copies, so these closes are not the
+// last.
 func (s *sockets) release(o Options) {
 	if s == nil || len(s.fds) == 0 {
 		return
