@@ -7,10 +7,10 @@ import (
 	"strings"
 
 	"github.com/google/nftables"
-	"golang.org/x/sys/unix"
 
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/backend/iptables"
+	nftb "github.com/meshcni/meshcni/pkg/backend/nftables"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/rules/nft"
 )
@@ -39,7 +39,7 @@ func selectIn(k backend.Kind, netns string, socks *sockets) (backend.Backend, st
 		b, err := New(k)
 		return b, "explicit setting", err
 	}
-	p, err := probeNetns(netns, false, socks)
+	p, err := probeNetns(netns, socks)
 	if err != nil {
 		return nil, "", err
 	}
@@ -76,33 +76,10 @@ func (p probe) holders() []backend.Kind {
 	return kinds
 }
 
-// nftConn opens a lasting netlink socket into the namespace by file descriptor (the
-// calling thread never switches namespace: on a thread locked into the namespace,
-// as netnsutil.Do runs code, every wait on the socket costs a thread hand-off).
+// nftConn opens a lasting netlink socket into the namespace (nftables.Dial) whose
+// duplicate socks keeps (nil socks: none).
 func nftConn(netns string, socks *sockets) (*nftables.Conn, func(), error) {
-	opts := []nftables.ConnOption{nftables.AsLasting(), nftables.WithSockOptions(socks.opt())}
-	fd := -1
-	if netns != "" {
-		var err error
-		fd, err = unix.Open(netns, unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return nil, nil, fmt.Errorf("open netns %s: %w", netns, err)
-		}
-		opts = append(opts, nftables.WithNetNSFd(fd))
-	}
-	conn, err := nftables.New(opts...)
-	if err != nil {
-		if fd >= 0 {
-			unix.Close(fd)
-		}
-		return nil, nil, fmt.Errorf("netlink in netns %q: %w", netns, err)
-	}
-	return conn, func() {
-		_ = conn.CloseLasting()
-		if fd >= 0 {
-			unix.Close(fd)
-		}
-	}, nil
+	return nftb.Dial(netns, socks.opt())
 }
 
 // probeTables lists the namespace's nftables tables on conn (and, when chains is set,
@@ -161,12 +138,12 @@ func legacyHere() bool {
 
 // probeNetns is the whole probe of a namespace: its nftables tables over one
 // netlink socket, then iptables-legacy's from a thread in the namespace.
-func probeNetns(netns string, chains bool, socks *sockets) (probe, error) {
+func probeNetns(netns string, socks *sockets) (probe, error) {
 	conn, closeConn, err := nftConn(netns, socks)
 	if err != nil {
 		return probe{}, err
 	}
-	p, err := probeTables(conn, chains)
+	p, err := probeTables(conn, false)
 	closeConn()
 	if err != nil {
 		return p, err
@@ -180,6 +157,6 @@ func probeNetns(netns string, chains bool, socks *sockets) (probe, error) {
 
 // holders lists the backends that hold tables in the namespace, in preference order.
 func holders(netns string) ([]backend.Kind, error) {
-	p, err := probeNetns(netns, false, nil)
+	p, err := probeNetns(netns, nil)
 	return p.holders(), err
 }

@@ -78,9 +78,11 @@ func (b *Backend) groupFile() string {
 	return "/etc/group"
 }
 
-// conn opens a netlink connection into the namespace at netnsPath ("" = current).
-// close must be called when done.
-func conn(netnsPath string, sockOpts ...gnft.SockOption) (c *gnft.Conn, close func(), err error) {
+// Dial opens a lasting netlink connection into the namespace at netnsPath ("" = the
+// current one) by file descriptor: the calling thread never switches namespace (on a
+// thread locked into the namespace every wait on the socket would cost a thread
+// hand-off). sockOpts apply to its socket. close must be called when done.
+func Dial(netnsPath string, sockOpts ...gnft.SockOption) (c *gnft.Conn, close func(), err error) {
 	opts := []gnft.ConnOption{gnft.AsLasting()}
 	if len(sockOpts) > 0 {
 		opts = append(opts, gnft.WithSockOptions(sockOpts...))
@@ -165,7 +167,7 @@ func (b *Backend) Apply(ctx context.Context, netnsPath string, rs *rules.Ruleset
 	if err != nil {
 		return fmt.Errorf("nftables apply: %w", err)
 	}
-	c, closeConn, err := conn(netnsPath, b.SockOptions...)
+	c, closeConn, err := Dial(netnsPath, b.SockOptions...)
 	if err != nil {
 		return fmt.Errorf("nftables apply: %w", err)
 	}
@@ -243,7 +245,7 @@ func (b *Backend) Clean(ctx context.Context, netnsPath string) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	c, closeConn, err := conn(netnsPath, b.SockOptions...)
+	c, closeConn, err := Dial(netnsPath, b.SockOptions...)
 	if err != nil {
 		return fmt.Errorf("nftables clean: %w", err)
 	}
