@@ -13,6 +13,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 type collected struct {
@@ -363,5 +365,115 @@ func TestRelease(t *testing.T) {
 	var nilClient *Client
 	if err := nilClient.Release(1); !errors.Is(err, ErrClosed) {
 		t.Errorf("Release on a nil client = %v", err)
+	}
+}
+
+// pipes makes n pipes and returns their read and write ends.
+func pipes(t *testing.T, n int) (rs, ws []int) {
+	t.Helper()
+	for range n {
+		var p [2]int
+		if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+			t.Fatal(err)
+		}
+		rs, ws = append(rs, p[0]), append(ws, p[1])
+	}
+	t.Cleanup(func() {
+		for _, fd := range rs {
+			unix.Close(fd)
+		}
+	})
+	return rs, ws
+}
+
+// hungUp reports, for each pipe read end, whether every write end is closed, waiting up
+// to timeout for all of them.
+func hungUp(t *testing.T, rs []int, timeout time.Duration) []bool {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		pfds := make([]unix.PollFd, len(rs))
+		for i, fd := range rs {
+			pfds[i] = unix.PollFd{Fd: int32(fd), Events: unix.POLLIN}
+		}
+		if _, err := unix.Poll(pfds, 0); err != nil && !errors.Is(err, unix.EINTR) {
+			t.Fatal(err)
+		}
+		out := make([]bool, len(rs))
+		all := true
+		for i, p := range pfds {
+			out[i] = p.Revents&unix.POLLHUP != 0
+			all = all && out[i]
+		}
+		if all || time.Now().After(deadline) {
+			return out
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// TestReleaseBound: the agent holds at most MaxHeldFDs descriptors per connection; the
+// ones past it are closed as they arrive, the held ones when the connection ends.
+func TestReleaseBound(t *testing.T) {
+	dir, got, _, _ := startServer(t, nil)
+	c, err := Dial(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	const extra = 5
+	rs, ws := pipes(t, MaxHeldFDs+extra)
+	for i := 0; i < len(ws); i += 8 {
+		if err := c.Release(ws[i:min(i+8, len(ws))]...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, fd := range ws {
+		unix.Close(fd)
+	}
+	if err := c.ReportCommand(CommandDel, ResultSuccess, time.Millisecond, Pod{Namespace: "ns", Name: "p"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	recv(t, got.cmds) // every release message was read before it
+	for i, hup := range hungUp(t, rs, 0) {
+		if want := i >= MaxHeldFDs; hup != want {
+			t.Fatalf("pipe %d: closed by the agent %v, want %v (it holds the first %d)", i, hup, want, MaxHeldFDs)
+		}
+	}
+	c.Close()
+	for i, hup := range hungUp(t, rs, 5*time.Second) {
+		if !hup {
+			t.Fatalf("pipe %d still held after the connection ended", i)
+		}
+	}
+}
+
+// TestReleaseClosedOnShutdown: when the agent stops, it closes the descriptors of the
+// connections still open.
+func TestReleaseClosedOnShutdown(t *testing.T) {
+	dir, got, cancel, done := startServer(t, nil)
+	c, err := Dial(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	rs, ws := pipes(t, 1)
+	if err := c.Release(ws[0]); err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(ws[0])
+	if err := c.ReportCommand(CommandDel, ResultSuccess, time.Millisecond, Pod{Namespace: "ns", Name: "p"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	recv(t, got.cmds)
+	if hungUp(t, rs, 0)[0] {
+		t.Fatal("descriptor closed while the connection is open")
+	}
+	cancel()
+	if err := recv(t, done); err != nil {
+		t.Fatalf("Serve = %v", err)
+	}
+	if !hungUp(t, rs, 5*time.Second)[0] {
+		t.Fatal("descriptor still held after the agent stopped")
 	}
 }
