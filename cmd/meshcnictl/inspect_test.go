@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -20,6 +19,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/ociimage"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 	"github.com/meshcni/meshcni/pkg/testbed"
@@ -149,17 +149,14 @@ const inspectNS = "inspect-e2e"
 // buildPlugin builds cmd/meshcni into dir.
 func buildPlugin(t *testing.T, dir string) string {
 	t.Helper()
-	gobin := testutil.RequireBinary(t, "go")
+	testutil.RequireBinary(t, "go")
 	root, err := testutil.RepoRoot()
 	if err != nil {
 		t.Fatal(err)
 	}
 	bin := filepath.Join(dir, "meshcni")
-	cmd := exec.Command(gobin, "build", "-trimpath", "-o", bin, "./cmd/meshcni")
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build ./cmd/meshcni: %v\n%s", err, out)
+	if err := ociimage.GoBinary(context.Background(), root, "./cmd/meshcni", bin); err != nil {
+		t.Fatal(err)
 	}
 	return bin
 }

@@ -2,10 +2,10 @@ package taint
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	itestutil "github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/pkg/ociimage"
 	"github.com/meshcni/meshcni/pkg/testbed"
 )
 
@@ -26,17 +27,14 @@ import (
 // 0 having released its Lease.
 func TestBinary(t *testing.T) {
 	e := newEnv(t, "meshcni-taint-bin", "bin")
-	gobin := itestutil.RequireBinary(t, "go")
+	itestutil.RequireBinary(t, "go")
 	root, err := itestutil.RepoRoot()
 	if err != nil {
 		t.Fatal(err)
 	}
 	bin := filepath.Join(t.TempDir(), Component)
-	build := exec.Command(gobin, "build", "-trimpath", "-o", bin, "./cmd/meshcni-taint-controller")
-	build.Dir = root
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
+	if err := ociimage.GoBinary(context.Background(), root, "./cmd/meshcni-taint-controller", bin); err != nil {
+		t.Fatal(err)
 	}
 
 	cmd := exec.Command(bin)
