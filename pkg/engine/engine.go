@@ -42,8 +42,8 @@ func (o Options) log() *slog.Logger {
 }
 
 // Apply writes the pod's redirect and returns the backend that did it. An explicit
-// backend is used without probing the namespace; backend.Auto looks once (one
-// netlink listing). The policy routing / ::6 step runs only when the ruleset needs it
+// backend is used without probing the namespace; backend.Auto chooses with one
+// netlink listing (the chosen backend then reads what it needs itself). The policy routing / ::6 step runs only when the ruleset needs it
 // (TPROXY or IPv6).
 func Apply(ctx context.Context, o Options, s *spec.Spec) (backend.Kind, error) {
 	if err := s.Validate(); err != nil {
