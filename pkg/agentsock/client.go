@@ -182,10 +182,13 @@ func (c *Client) GetPod(ctx context.Context, req PodRequest) (*PodResponse, erro
 	return &resp, nil
 }
 
-// Release hands file descriptors to the agent, which holds them until this connection
-// is closed and then closes them: the caller closes its own copies (before Close)
-// without being the last holder. The descriptors travel with a "release" message
-// (SCM_RIGHTS); on error nothing was handed over.
+// Release hands file descriptors to the agent, which holds them (up to MaxHeldFDs)
+// until this connection is closed and then closes them: the caller closes its own
+// copies (before Close) without being the last holder. The descriptors travel with a
+// "release" message (SCM_RIGHTS) and are duplicated by the kernel, so the caller
+// always closes its own copies, whatever Release returns. An error means they may not
+// have reached the agent (a write that failed part-way may have carried them; the
+// connection is then dropped and the agent closes them at once).
 func (c *Client) Release(fds ...int) error {
 	if c == nil {
 		return ErrClosed

@@ -9,10 +9,12 @@
 // with an error, so a newer plugin can talk to an older agent.
 //
 // A "release" message carries file descriptors (SCM_RIGHTS) and nothing to answer: the
-// agent holds them until the connection ends, then closes them, so that its close is
-// the last one (the plugin closes its copies before the connection). The plugin hands over a netlink socket this way after deleting
-// nftables tables, because the kernel makes the last close of such a socket wait for an
-// RCU grace period (several milliseconds) that a CNI DEL need not wait for.
+// agent holds them (at most MaxHeldFDs per connection) until the connection ends, then
+// closes them, so that its close is the last one (the plugin closes its copies before
+// the connection). The plugin hands over its nftables netlink sockets this way,
+// because the kernel makes the last close of such a socket wait for an RCU grace
+// period (several milliseconds) after nftables objects were deleted, which a CNI
+// command need not wait for.
 //
 // The client side (Dial, Client) uses only the standard library: it is linked into
 // the CNI plugin, which must stay small, start fast and never wait on the agent for

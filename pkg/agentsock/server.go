@@ -139,7 +139,8 @@ func (s *Server) ServeListener(ctx context.Context, l *net.UnixListener) error {
 }
 
 // MaxHeldFDs bounds the descriptors the agent holds for one connection; past it, a
-// released descriptor is closed at once.
+// released descriptor is closed at once. It is also the most one read takes from a
+// message (the kernel closes any beyond).
 const MaxHeldFDs = 64
 
 // fdHolder reads a unix connection and keeps the file descriptors that arrive with the
@@ -192,7 +193,7 @@ func (r *fdHolder) closeHeld() {
 func (s *Server) serveConn(ctx context.Context, conn net.Conn, log *slog.Logger) {
 	var rd io.Reader = conn
 	if uc, ok := conn.(*net.UnixConn); ok {
-		h := &fdHolder{c: uc, oob: make([]byte, syscall.CmsgSpace(16*4)), log: log}
+		h := &fdHolder{c: uc, oob: make([]byte, syscall.CmsgSpace(MaxHeldFDs*4)), log: log}
 		defer h.closeHeld()
 		rd = h
 	}
