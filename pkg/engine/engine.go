@@ -124,20 +124,20 @@ func Clean(ctx context.Context, o Options) error {
 	if err != nil {
 		return err
 	}
-	p, err := probeTables(conn, true)
-	if err == nil && len(p.ours) > 0 {
+	p, err := probeTables(conn, true) // on an error listing chains, p.ours is still known
+	if len(p.ours) > 0 {
 		for _, t := range p.ours {
 			conn.DelTable(t)
 		}
 		if ferr := conn.Flush(); ferr != nil {
-			err = fmt.Errorf("clean %s: delete tables in netns %q: %w", backend.Nftables, o.NetnsPath, ferr)
+			err = errors.Join(err, fmt.Errorf("clean %s: delete tables in netns %q: %w", backend.Nftables, o.NetnsPath, ferr))
 		} else {
 			o.log().Debug("nftables tables deleted", "netns", o.NetnsPath, "tables", len(p.ours))
 		}
 	}
 	closeConn()
 	if err != nil && len(p.ours) == 0 {
-		return err // the namespace could not even be listed
+		return err // its tables could not be read, and none of ours is known
 	}
 	errs := []error{err}
 	errs = append(errs, netnsutil.Do(o.NetnsPath, func() error {
