@@ -3,6 +3,7 @@ package deploy_test
 import (
 	"fmt"
 	"io"
+	"os"
 	"regexp"
 	"slices"
 	"sort"
@@ -30,6 +31,8 @@ type chart struct {
 	taint  *appsv1.Deployment // nil: taint controller off
 	agentC *agent.Config      // the rendered env, parsed by the agent's own ParseFlags
 	taintC *taint.Config      // same for the taint controller
+	// ownNodeSelector: the values set taintController.nodeSelectorLabels.
+	ownNodeSelector bool
 }
 
 func (c *chart) find(kind, name string) *unstructured.Unstructured {
@@ -128,6 +131,16 @@ func load(t *testing.T, values []string) *chart {
 	t.Helper()
 	_, objs := render(t, namespace, values)
 	c := &chart{objs: objs}
+	for _, v := range values {
+		if f, ok := strings.CutPrefix(v, "@"); ok {
+			b, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.ownNodeSelector = c.ownNodeSelector || strings.Contains(string(b), "nodeSelectorLabels:")
+		}
+		c.ownNodeSelector = c.ownNodeSelector || strings.HasPrefix(v, "taintController.nodeSelectorLabels=")
+	}
 	c.checkLabels(t)
 	if o := c.find("DaemonSet", "meshcni-agent"); o == nil {
 		t.Fatal("no DaemonSet meshcni-agent")
@@ -306,6 +319,19 @@ func (c *chart) checkTaint(t *testing.T) {
 	}
 	if cfg.LeaderElect && cfg.LeaseNamespace != namespace {
 		t.Errorf("lease namespace %q", cfg.LeaseNamespace)
+	}
+	// Without its own node selector it never manages a node the agent is not scheduled
+	// on (a node lacking one of the agent's nodeSelector labels, e.g. a Windows node):
+	// such a node would stay tainted for ever.
+	if ns := c.agent.Spec.Template.Spec.NodeSelector; !c.ownNodeSelector {
+		if !cfg.NodeSelector.Matches(labels.Set(ns)) {
+			t.Errorf("taint controller node selector %q leaves out the agent's nodes %v", cfg.NodeSelector, ns)
+		}
+		for k := range ns {
+			if other := labels.Set(maps(ns, k, "other")); cfg.NodeSelector.Matches(other) {
+				t.Errorf("taint controller node selector %q manages node %v, where the agent (nodeSelector %v) never runs", cfg.NodeSelector, other, ns)
+			}
+		}
 	}
 	if !tolerates(ps.Tolerations, corev1.Taint{Key: taint.TaintKey, Effect: taint.TaintEffect}) {
 		t.Errorf("taint controller does not tolerate its own taint: %+v", ps.Tolerations)

@@ -149,6 +149,17 @@ func matrix() []matrixCase {
 				t.Error("lease permissions without leader election")
 			}
 		}},
+		// Without nodeSelectorLabels, the taint controller manages the agent's nodes only.
+		{name: "taint-nodes-follow-agent", values: []string{"nodeSelector.pool=meshed"}, check: func(t *testing.T, c *chart) {
+			if got := c.taintC.NodeSelector.String(); got != "kubernetes.io/os=linux,pool=meshed" {
+				t.Errorf("taint controller node selector %q, want the agent's nodeSelector", got)
+			}
+		}},
+		{name: "taint-nodes-all", values: []string{"nodeSelector=null"}, check: func(t *testing.T, c *chart) {
+			if len(c.agent.Spec.Template.Spec.NodeSelector) != 0 || !c.taintC.NodeSelector.Empty() {
+				t.Errorf("agent nodeSelector %v, taint controller node selector %q: want every node", c.agent.Spec.Template.Spec.NodeSelector, c.taintC.NodeSelector)
+			}
+		}},
 		{name: "servicemonitor", values: []string{"metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.interval=15s", "metrics.serviceMonitor.labels.release=prometheus", "metrics.port=19807"}, check: func(t *testing.T, c *chart) {
 			sm := c.find("ServiceMonitor", "meshcni")
 			if sm == nil {

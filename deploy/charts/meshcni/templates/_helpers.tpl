@@ -69,3 +69,20 @@ Does the repair controller act through the API on pods? Returns "delete", "patch
 {{- if eq .Values.repair.action "delete" -}}delete{{- else if eq .Values.repair.action "label" -}}patch{{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The taint controller's node selector (--node-selector): taintController.nodeSelectorLabels,
+else the agent's nodeSelector as a label selector, so that a node the agent is never
+scheduled on (e.g. a Windows node) is never tainted. "" when both are empty: every node.
+*/}}
+{{- define "meshcni.taintNodeSelector" -}}
+{{- if .Values.taintController.nodeSelectorLabels -}}
+{{- .Values.taintController.nodeSelectorLabels -}}
+{{- else -}}
+{{- $terms := list -}}
+{{- range $k, $v := .Values.nodeSelector -}}
+{{- $terms = append $terms (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- join "," $terms -}}
+{{- end -}}
+{{- end -}}
