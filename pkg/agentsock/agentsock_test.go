@@ -477,3 +477,39 @@ func TestReleaseClosedOnShutdown(t *testing.T) {
 		t.Fatal("descriptor still held after the agent stopped")
 	}
 }
+
+// TestListenMode: whatever the umask (0 here: bind would give 0777), the socket is in
+// place with mode 0600, a stale socket is replaced, and nothing else is left in the
+// directory (the private directory it was bound in is gone).
+func TestListenMode(t *testing.T) {
+	old := unix.Umask(0)
+	defer unix.Umask(old)
+	dir := t.TempDir()
+	path := Path(dir)
+	for i := range 2 { // the second replaces the first's (stale) socket
+		l, err := Listen(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fi, err := os.Lstat(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fi.Mode().Perm() != 0o600 || fi.Mode()&os.ModeSocket == 0 {
+			t.Fatalf("listen %d: mode %v, want a socket with mode 0600", i, fi.Mode())
+		}
+		ents, err := os.ReadDir(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(ents) != 1 || ents[0].Name() != SocketName {
+			t.Fatalf("listen %d: directory holds %v, want only %s", i, ents, SocketName)
+		}
+		c, err := net.Dial("unix", path)
+		if err != nil {
+			t.Fatalf("listen %d: dial: %v", i, err)
+		}
+		c.Close()
+		l.Close()
+	}
+}

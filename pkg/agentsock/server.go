@@ -36,14 +36,20 @@ type Server struct {
 var ErrUnsupported = errors.New("unsupported request type")
 
 // Listen creates the socket at path with mode 0600, replacing a stale one atomically:
-// it listens on a temporary name, sets the mode, and renames it into place, so no
-// client ever sees a socket with wider permissions.
+// it binds under a private (0700) directory next to path, sets the mode, and renames
+// the socket into place, so no client can ever connect through wider permissions,
+// whatever the process's umask (bind gives a socket 0777 less the umask).
 func Listen(path string) (*net.UnixListener, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, fmt.Errorf("agent socket directory: %w", err)
 	}
-	tmp := fmt.Sprintf("%s.%d.tmp", path, os.Getpid())
-	_ = os.Remove(tmp)
+	priv, err := os.MkdirTemp(dir, "."+SocketName+"-")
+	if err != nil {
+		return nil, fmt.Errorf("agent socket directory: %w", err)
+	}
+	defer os.RemoveAll(priv) // empty once the socket is in place
+	tmp := filepath.Join(priv, SocketName)
 	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
 	if err != nil {
 		return nil, fmt.Errorf("listen on agent socket: %w", err)
@@ -51,12 +57,10 @@ func Listen(path string) (*net.UnixListener, error) {
 	l.SetUnlinkOnClose(false)
 	if err := os.Chmod(tmp, 0o600); err != nil {
 		l.Close()
-		os.Remove(tmp)
 		return nil, fmt.Errorf("chmod agent socket: %w", err)
 	}
 	if err := os.Rename(tmp, path); err != nil {
 		l.Close()
-		os.Remove(tmp)
 		return nil, fmt.Errorf("place agent socket: %w", err)
 	}
 	return l, nil
