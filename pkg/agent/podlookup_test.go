@@ -1,13 +1,17 @@
 package agent
 
 import (
+	"reflect"
 	"strings"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
+	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
+	"github.com/meshcni/meshcni/pkg/nodepods"
+	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // mapPods is a PodSource for this pure-logic test (the real cache, pkg/nodepods, is
@@ -68,5 +72,71 @@ func TestAnswerPod(t *testing.T) {
 				t.Fatalf("got %+v, want pod %s with UID %s", resp, tc.req.Name, tc.wantUID)
 			}
 		})
+	}
+}
+
+// TestAnswerPodKeepsWhatThePluginDecidesOn: the pod the agent answers with, taken from
+// the cache (which trims it, nodepods.Trim) and sent protobuf-encoded, decodes to the
+// cached pod exactly, and the plugin's decision and spec from it equal those from the
+// pod as the API server returns it: an answer from the agent never changes a redirect.
+func TestAnswerPodKeepsWhatThePluginDecidesOn(t *testing.T) {
+	uid := int64(1337)
+	always := corev1.ContainerRestartPolicyAlways
+	api := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "app", Name: "web", UID: "u-web",
+			Labels: map[string]string{"app": "web"},
+			Annotations: map[string]string{
+				podspec.AnnotationStatus:                  `{"containers":["istio-proxy"],"initContainers":["istio-validation"]}`,
+				podspec.AnnotationInterceptionMode:        "TPROXY",
+				podspec.AnnotationIncludeInboundPorts:     "8080",
+				podspec.AnnotationExcludeOutboundPorts:    "9000,9001",
+				podspec.AnnotationExcludeOutboundIPRanges: "10.96.0.1/32",
+				podspec.AnnotationExcludeInterfaces:       "eth9",
+				podspec.AnnotationKubevirtInterfaces:      "net1",
+			},
+			ManagedFields: []metav1.ManagedFieldsEntry{{Manager: "kubectl", Operation: metav1.ManagedFieldsOperationApply}},
+		},
+		Spec: corev1.PodSpec{
+			NodeName: "n1",
+			InitContainers: []corev1.Container{{Name: podspec.ProxyContainer, Image: "docker.io/istio/proxyv2:1.27.0",
+				RestartPolicy: &always,
+				Args:          []string{"proxy", "sidecar", "--domain", "app.svc.cluster.local"},
+				Env: []corev1.EnvVar{{Name: "ISTIO_META_DNS_CAPTURE", Value: "true"},
+					{Name: "ISTIO_META_INTERCEPTION_MODE", Value: "TPROXY"}},
+				SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}}},
+			Containers: []corev1.Container{{Name: "app", Image: "registry.example/app:1",
+				Ports: []corev1.ContainerPort{{ContainerPort: 8080, Protocol: corev1.ProtocolTCP}}}},
+		},
+	}
+	cached, err := nodepods.Trim(api.DeepCopy())
+	if err != nil {
+		t.Fatal(err)
+	}
+	pods := &mapPods{synced: true, pods: map[string]*corev1.Pod{"app/web": cached.(*corev1.Pod)}}
+	resp, err := AnswerPod(pods, agentsock.PodRequest{Namespace: "app", Name: "web", UID: "u-web"})
+	if err != nil || !resp.Found {
+		t.Fatalf("AnswerPod = %+v, %v", resp, err)
+	}
+	var got corev1.Pod
+	if err := got.Unmarshal(resp.Pod); err != nil {
+		t.Fatal(err)
+	}
+	if !apiequality.Semantic.DeepEqual(&got, cached) {
+		t.Fatalf("answered pod differs from the cached one:\n%+v\n%+v", &got, cached)
+	}
+	cfg := podspec.Config{}
+	if a, b := podspec.Decide(api, cfg), podspec.Decide(&got, cfg); a != b || !a.Meshed {
+		t.Fatalf("decision from the API's pod %+v, from the agent's %+v (want equal and meshed)", a, b)
+	}
+	want, err := podspec.Build(api)
+	if err != nil {
+		t.Fatal(err)
+	}
+	have, err := podspec.Build(&got)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(want, have) {
+		t.Fatalf("spec from the API's pod:\n%+v\nfrom the agent's:\n%+v", want.Spec, have.Spec)
 	}
 }
