@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -511,5 +512,74 @@ func TestListenMode(t *testing.T) {
 		}
 		c.Close()
 		l.Close()
+	}
+}
+
+// TestAcceptOutOfDescriptors: an accept that fails because the process has no
+// descriptor left (EMFILE) does not stop the server; the waiting connection is served
+// once descriptors are free again.
+func TestAcceptOutOfDescriptors(t *testing.T) {
+	dir, got, _, done := startServer(t, nil)
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	maxFD := 0
+	for _, e := range ents {
+		var fd int
+		if _, err := fmt.Sscan(e.Name(), &fd); err == nil && fd > maxFD {
+			maxFD = fd
+		}
+	}
+	low := lim
+	low.Cur = uint64(maxFD + 64)
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &low); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Setrlimit(unix.RLIMIT_NOFILE, &lim)
+	var fill []int
+	defer func() {
+		for _, fd := range fill {
+			unix.Close(fd)
+		}
+	}()
+	for {
+		fd, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if errors.Is(err, unix.EMFILE) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		fill = append(fill, fd)
+	}
+	// One descriptor for the client; none is left for the server's accept.
+	unix.Close(fill[len(fill)-1])
+	fill = fill[:len(fill)-1]
+	c, err := Dial(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if err := c.ReportCommand(CommandAdd, ResultSuccess, time.Millisecond, Pod{Namespace: "ns", Name: "p"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("server stopped while out of descriptors: %v", err)
+	case <-got.cmds:
+		t.Fatal("served without a descriptor to accept with")
+	case <-time.After(100 * time.Millisecond):
+	}
+	for _, fd := range fill {
+		unix.Close(fd)
+	}
+	fill = nil
+	if cmd := recv(t, got.cmds); cmd.Command != CommandAdd || cmd.Pod.Name != "p" {
+		t.Fatalf("command = %+v", cmd)
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"sync"
 	"syscall"
+	"time"
 )
 
 // MaxLine is the longest line the server reads; a longer one closes the connection.
@@ -113,8 +114,21 @@ func (s *Server) ServeListener(ctx context.Context, l *net.UnixListener) error {
 			}
 		}
 	}()
+	backoff := time.Duration(0)
 	for {
 		conn, err := l.Accept()
+		if err != nil && ctx.Err() == nil && outOfResources(err) {
+			// The agent holds descriptors for its connections: running out of them (or
+			// of memory) must not stop the agent; retry as connections end.
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			log.Warn("agent socket: accept, retrying", "path", s.Path, "err", err, "in", backoff)
+			select {
+			case <-time.After(backoff):
+			case <-ctx.Done():
+			}
+			continue
+		}
+		backoff = 0
 		if err != nil {
 			mu.Lock()
 			for c := range conns {
@@ -140,6 +154,17 @@ func (s *Server) ServeListener(ctx context.Context, l *net.UnixListener) error {
 			conn.Close()
 		}()
 	}
+}
+
+// outOfResources reports whether an accept failed for want of descriptors or memory,
+// which passes.
+func outOfResources(err error) bool {
+	for _, e := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
 }
 
 // MaxHeldFDs bounds the descriptors the agent holds for one connection; past it, a
