@@ -15,17 +15,20 @@ import (
 	"github.com/google/nftables"
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/meshcni/meshcni/internal/agenttest"
 	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/ociimage"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 	"github.com/meshcni/meshcni/pkg/testbed"
 )
 
-func TestMain(m *testing.M) { os.Exit(testbed.RunMain(m)) }
+func TestMain(m *testing.M) {
+	code := testbed.RunMain(m)
+	agenttest.RemoveBinaries()
+	os.Exit(code)
+}
 
 // ctl runs meshcnictl in-process as main does and returns stdout, the exit code and
 // the error main would print.
@@ -146,65 +149,6 @@ var testbedNetnsDir = testbed.NetnsDir
 
 const inspectNS = "inspect-e2e"
 
-// buildPlugin builds cmd/meshcni into dir.
-func buildPlugin(t *testing.T, dir string) string {
-	t.Helper()
-	testutil.RequireBinary(t, "go")
-	root, err := testutil.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	bin := filepath.Join(dir, "meshcni")
-	if err := ociimage.GoBinary(context.Background(), root, "./cmd/meshcni", bin); err != nil {
-		t.Fatal(err)
-	}
-	return bin
-}
-
-// installPlugin puts meshcni at the end of the test bed's chain, with the agent's run
-// dir (kubeconfig; a socket whose plugin log lines go to the test log), and restores
-// the default chain when the test ends.
-func installPlugin(t *testing.T, tb *testbed.Testbed) {
-	t.Helper()
-	if err := testbed.InstallCNIPlugin(buildPlugin(t, t.TempDir()), "meshcni"); err != nil {
-		t.Fatal(err)
-	}
-	runDir, err := os.MkdirTemp("/run", "meshcni-inspect-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(runDir) })
-	kc, err := os.ReadFile(tb.Kubeconfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(runDir, "meshcni-kubeconfig"), kc, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	srv := &agentsock.Server{Path: agentsock.Path(runDir), OnLog: func(r *agentsock.LogRecord) {
-		t.Logf("plugin %s %s/%s: %s %v", r.Level, r.Pod.Namespace, r.Pod.Name, r.Msg, r.Attrs)
-	}}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = srv.Serve(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
-	conf, err := testbed.Conflist(append(testbed.DefaultPlugins(), map[string]any{
-		"type":              "meshcni",
-		"cni_agent_run_dir": runDir,
-	}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := testbed.WriteConflist(conf); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := testbed.WriteConflist(testbed.DefaultConflist()); err != nil {
-			t.Errorf("restore the test bed's CNI config: %v", err)
-		}
-	})
-}
-
 // echoPod is the test bed's echo pod in inspectNS; a meshed one carries Istio's
 // injection (status annotation, an istio-proxy container: the echo image on the
 // excluded port 15021) and no readiness probe (it would be redirected).
@@ -252,7 +196,9 @@ func breakRules(t *testing.T, netns string) {
 // exit 1), a plain pod with meshcni rules (exit 1), and a pod on another node (exit 2).
 func TestInspectExplainTestbed(t *testing.T) {
 	tb := testbed.Shared(t)
-	installPlugin(t, tb)
+	// The real agent puts meshcni at the end of the test bed's chain (and takes it out
+	// when the test ends); its repair controller stays off, so the broken pods stay so.
+	agenttest.Start(t, agenttest.Options{Args: []string{"--repair=false"}})
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	start := time.Now()
