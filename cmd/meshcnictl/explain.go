@@ -13,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/yaml"
 
+	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/spec"
@@ -115,8 +116,8 @@ type podPlan struct {
 }
 
 // plan runs the plugin's decision (podspec.Decide) and spec derivation
-// (podspec.Build, podspec.WithFamilies) on the pod. IP families come from --pod-ip,
-// else the pod's status.podIPs.
+// (podspec.ForPod) on the pod. IP families come from --pod-ip, else the pod's status
+// (podnetns.PodIPs: status.podIPs, else status.podIP).
 func (f *explainFlags) plan(pod *corev1.Pod) (podPlan, error) {
 	label, err := podspec.ParseLabel(f.agentLabel)
 	if err != nil {
@@ -126,28 +127,33 @@ func (f *explainFlags) plan(pod *corev1.Pod) (podPlan, error) {
 	if !p.Decision.Meshed {
 		return p, nil
 	}
-	res, err := podspec.Build(pod)
+	addrs, err := f.addrs(pod)
+	if err != nil {
+		return p, err
+	}
+	res, err := podspec.ForPod(pod, addrs)
 	if err != nil {
 		return p, fmt.Errorf("the plugin would fail ADD (no rule applied): %w", err)
 	}
-	p.Warnings = res.Warnings
-	var addrs []netip.Addr
-	ips := f.podIPs
-	if len(ips) == 0 {
-		for _, ip := range pod.Status.PodIPs {
-			ips = append(ips, ip.IP)
-		}
+	p.Warnings, p.Spec = res.Warnings, res.Spec
+	return p, nil
+}
+
+// addrs are the pod's addresses for the rules' IP families: --pod-ip, else the pod's
+// status (podnetns.PodIPs: status.podIPs, else status.podIP).
+func (f *explainFlags) addrs(pod *corev1.Pod) ([]netip.Addr, error) {
+	if len(f.podIPs) == 0 {
+		return podnetns.PodIPs(pod)
 	}
-	for _, ip := range ips {
+	addrs := make([]netip.Addr, 0, len(f.podIPs))
+	for _, ip := range f.podIPs {
 		a, err := netip.ParseAddr(strings.TrimSpace(ip))
 		if err != nil {
-			return p, fmt.Errorf("--pod-ip %q: not an IP address", ip)
+			return nil, fmt.Errorf("--pod-ip %q: not an IP address", ip)
 		}
 		addrs = append(addrs, a)
 	}
-	podspec.WithFamilies(res.Spec, addrs)
-	p.Spec = res.Spec
-	return p, nil
+	return addrs, nil
 }
 
 // printPlan writes the pod, the decision, its reason and (when redirected) the spec.

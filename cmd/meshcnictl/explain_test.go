@@ -111,3 +111,35 @@ func testExplainAPI(t *testing.T, kubeconfig, ns string) {
 		})
 	}
 }
+
+// IP families: --pod-ip wins over the status; the status is status.podIPs, else
+// status.podIP; a bad address is named with where it came from.
+func TestExplainFamilies(t *testing.T) {
+	v6only := strings.Replace(meshedPodYAML, `podIPs: [{ip: 10.0.0.5}, {ip: "fd00::5"}]`, `podIP: "fd00::5"`, 1)
+	badStatus := strings.Replace(meshedPodYAML, `{ip: 10.0.0.5}`, `{ip: 10.0.0.500}`, 1)
+	for _, tc := range []struct {
+		name, manifest string
+		extra          []string
+		want, wantErr  string
+	}{
+		{"podIPs", meshedPodYAML, nil, "ipv4 true, ipv6 true", ""},
+		{"podIP only", v6only, nil, "ipv4 false, ipv6 true", ""},
+		{"--pod-ip wins", meshedPodYAML, []string{"--pod-ip", "10.0.0.5"}, "ipv4 true, ipv6 false", ""},
+		{"--pod-ip wins over a bad status", badStatus, []string{"--pod-ip", "fd00::5"}, "ipv4 false, ipv6 true", ""},
+		{"bad --pod-ip", meshedPodYAML, []string{"--pod-ip", "10.0.0.x"}, "", `--pod-ip "10.0.0.x": not an IP address`},
+		{"bad status IP", badStatus, nil, "", `bad IP "10.0.0.500" in status`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out, err := runExplain(t, tc.manifest, tc.extra...)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("err %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil || !strings.Contains(out, tc.want) {
+				t.Fatalf("err %v, output lacks %q:\n%s", err, tc.want, out)
+			}
+		})
+	}
+}
