@@ -19,7 +19,9 @@ type PodSource interface {
 const mirrorAnnotation = "kubernetes.io/config.mirror"
 
 // AnswerPod answers the plugin's RequestPod from the cache: found only when the cache
-// is synced, holds the pod, and (when the request names a UID) the pod has that UID.
+// is synced, holds the pod, and the pod has the request's UID (kubelet always passes
+// K8S_POD_UID; without one the cache could answer with an earlier pod of the same
+// name, e.g. a StatefulSet's, so that is a miss too).
 // Any other case is a miss with its reason, and the plugin asks the API server; the
 // agent never answers for the API server, so its errors stay the plugin's.
 func AnswerPod(pods PodSource, req agentsock.PodRequest) (agentsock.PodResponse, error) {
@@ -28,6 +30,8 @@ func AnswerPod(pods PodSource, req agentsock.PodRequest) (agentsock.PodResponse,
 		return agentsock.PodResponse{Reason: "the agent has no pod cache (no API access or no --node-name)"}, nil
 	case req.Namespace == "" || req.Name == "":
 		return agentsock.PodResponse{}, fmt.Errorf("pod request without namespace or name")
+	case req.UID == "":
+		return agentsock.PodResponse{Reason: "no K8S_POD_UID: the cache may hold an earlier pod of that name"}, nil
 	case !pods.HasSynced():
 		return agentsock.PodResponse{Reason: "the agent's pod cache is not synced yet"}, nil
 	}
@@ -35,7 +39,7 @@ func AnswerPod(pods PodSource, req agentsock.PodRequest) (agentsock.PodResponse,
 	if !ok {
 		return agentsock.PodResponse{Reason: "pod not in the agent's cache of this node's pods"}, nil
 	}
-	if req.UID != "" && string(pod.UID) != req.UID && pod.Annotations[mirrorAnnotation] != req.UID {
+	if string(pod.UID) != req.UID && pod.Annotations[mirrorAnnotation] != req.UID {
 		return agentsock.PodResponse{Reason: fmt.Sprintf("the cached pod has UID %s, not %s", pod.UID, req.UID)}, nil
 	}
 	b, err := pod.Marshal()

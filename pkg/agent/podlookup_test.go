@@ -42,12 +42,12 @@ func TestAnswerPod(t *testing.T) {
 		wantErr    string
 	}{
 		{"hit", synced, agentsock.PodRequest{Namespace: "app", Name: "web", UID: "u-web"}, "u-web", "", ""},
-		{"hit without UID", synced, agentsock.PodRequest{Namespace: "app", Name: "web"}, "u-web", "", ""},
+		{"no UID: miss", synced, agentsock.PodRequest{Namespace: "app", Name: "web"}, "", "no K8S_POD_UID", ""},
 		{"static pod: mirror annotation UID", synced, agentsock.PodRequest{Namespace: "kube-system", Name: "etcd-n1", UID: "u-static"}, "u-mirror", "", ""},
 		{"stale UID", synced, agentsock.PodRequest{Namespace: "app", Name: "web", UID: "u-new"}, "", "has UID u-web, not u-new", ""},
-		{"not cached", synced, agentsock.PodRequest{Namespace: "app", Name: "db"}, "", "not in the agent's cache", ""},
-		{"not synced", unsynced, agentsock.PodRequest{Namespace: "app", Name: "web"}, "", "not synced yet", ""},
-		{"no cache", nil, agentsock.PodRequest{Namespace: "app", Name: "web"}, "", "no pod cache", ""},
+		{"not cached", synced, agentsock.PodRequest{Namespace: "app", Name: "db", UID: "u-db"}, "", "not in the agent's cache", ""},
+		{"not synced", unsynced, agentsock.PodRequest{Namespace: "app", Name: "web", UID: "u-web"}, "", "not synced yet", ""},
+		{"no cache", nil, agentsock.PodRequest{Namespace: "app", Name: "web", UID: "u-web"}, "", "no pod cache", ""},
 		{"no name", synced, agentsock.PodRequest{Namespace: "app"}, "", "", "without namespace or name"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

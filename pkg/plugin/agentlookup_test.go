@@ -239,7 +239,7 @@ func TestAgentPodLookup(t *testing.T) {
 		wantCode   uint
 	}{
 		{"agent answers: no API connection", withCache, viaProxy, cached, false, "", 0},
-		{"agent answers without K8S_POD_UID", withCache, viaProxy, noUID, false, "", 0},
+		{"no K8S_POD_UID: the agent misses, API GET", withCache, viaProxy, noUID, true, "", 0},
 		{"agent answers with the API server down", withCache, apiDown, cached, false, "", 0},
 		{"pod not in the agent's cache: API GET", withCache, viaProxy, uncached, true, "", 0},
 		{"agent without a cache: API GET", noCache, viaProxy, cached, true, "", 0},
