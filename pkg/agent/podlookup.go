@@ -6,6 +6,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
+	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // PodSource is the agent's cache of its node's pods (*nodepods.Cache).
@@ -13,10 +14,6 @@ type PodSource interface {
 	HasSynced() bool
 	Get(namespace, name string) (*corev1.Pod, bool)
 }
-
-// mirrorAnnotation holds, on a static pod's mirror pod, the UID kubelet runs the
-// static pod with (K8S_POD_UID is that one, the mirror pod's own UID differs).
-const mirrorAnnotation = "kubernetes.io/config.mirror"
 
 // AnswerPod answers the plugin's RequestPod from the cache: found only when the cache
 // is synced, holds the pod, and the pod has the request's UID (kubelet always passes
@@ -39,7 +36,7 @@ func AnswerPod(pods PodSource, req agentsock.PodRequest) (agentsock.PodResponse,
 	if !ok {
 		return agentsock.PodResponse{Reason: "pod not in the agent's cache of this node's pods"}, nil
 	}
-	if string(pod.UID) != req.UID && pod.Annotations[mirrorAnnotation] != req.UID {
+	if !podspec.IsRuntimePod(pod, req.UID) {
 		return agentsock.PodResponse{Reason: fmt.Sprintf("the cached pod has UID %s, not %s", pod.UID, req.UID)}, nil
 	}
 	b, err := pod.Marshal()

@@ -30,7 +30,7 @@ func (m *mapPods) Get(ns, name string) (*corev1.Pod, bool) {
 func TestAnswerPod(t *testing.T) {
 	web := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "app", Name: "web", UID: "u-web"}}
 	static := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "kube-system", Name: "etcd-n1", UID: "u-mirror",
-		Annotations: map[string]string{mirrorAnnotation: "u-static"}}}
+		Annotations: map[string]string{podspec.AnnotationMirror: "u-static"}}}
 	synced := &mapPods{synced: true, pods: map[string]*corev1.Pod{"app/web": web, "kube-system/etcd-n1": static}}
 	unsynced := &mapPods{pods: synced.pods}
 	for _, tc := range []struct {

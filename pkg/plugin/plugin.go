@@ -316,7 +316,7 @@ func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*corev1.Pod, er
 		return nil, types.NewError(types.ErrInternal, fmt.Sprintf(
 			"the Kubernetes API at %s answered the GET of pod %s/%s with pod %s/%s; %s", getter.Server(), inv.namespace, inv.name, pod.Namespace, pod.Name, closed), "")
 	}
-	if inv.uid != "" && !sameUID(pod, inv.uid) {
+	if inv.uid != "" && !podspec.IsRuntimePod(pod, inv.uid) {
 		return nil, types.NewError(types.ErrInternal, fmt.Sprintf(
 			"pod %s/%s in the API has UID %s but the runtime is creating UID %s (the pod was deleted and recreated); %s; the runtime will retry with the current pod",
 			inv.namespace, inv.name, pod.UID, inv.uid, closed), "")
@@ -357,20 +357,11 @@ func (inv *invocation) podFromAgent(ctx context.Context) *corev1.Pod {
 	if pod.Namespace != inv.namespace || pod.Name != inv.name {
 		return miss(fmt.Sprintf("the agent answered with pod %s/%s", pod.Namespace, pod.Name))
 	}
-	if inv.uid != "" && !sameUID(&pod, inv.uid) {
+	if inv.uid != "" && !podspec.IsRuntimePod(&pod, inv.uid) {
 		return miss(fmt.Sprintf("the agent's pod has UID %s, not %s", pod.UID, inv.uid))
 	}
 	inv.log.Debug("pod fetched", "source", "agent", "duration", time.Since(t0))
 	return &pod
-}
-
-// mirrorAnnotation holds, on a static pod's mirror pod, the UID kubelet runs the
-// static pod with (the mirror pod's own UID differs).
-const mirrorAnnotation = "kubernetes.io/config.mirror"
-
-// sameUID reports whether the API's pod is the one the runtime is creating.
-func sameUID(pod *corev1.Pod, uid string) bool {
-	return string(pod.UID) == uid || pod.Annotations[mirrorAnnotation] == uid
 }
 
 func apiFailure(inv *invocation, server string, err error, took time.Duration) error {

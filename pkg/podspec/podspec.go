@@ -393,3 +393,13 @@ func ForPod(pod *corev1.Pod, addrs []netip.Addr) (Result, error) {
 	WithFamilies(res.Spec, addrs)
 	return res, nil
 }
+
+// AnnotationMirror holds, on a static pod's mirror pod, the UID kubelet runs the
+// static pod with (the mirror pod's own UID differs).
+const AnnotationMirror = "kubernetes.io/config.mirror"
+
+// IsRuntimePod reports whether pod is the one the container runtime is creating
+// with uid (CNI's K8S_POD_UID): its own UID, or a static pod's through its mirror.
+func IsRuntimePod(pod *corev1.Pod, uid string) bool {
+	return string(pod.UID) == uid || pod.Annotations[AnnotationMirror] == uid
+}
