@@ -260,7 +260,7 @@ func (r *runner) install(ctx context.Context) error {
 }
 
 func helmPath(ctx context.Context, root string) (string, error) {
-	if p := os.Getenv("HELM"); p != "" {
+	if p := os.Getenv("MESHCNI_HELM"); p != "" {
 		return p, nil
 	}
 	cmd := exec.CommandContext(ctx, "bash", filepath.Join(root, "hack", "helm"), "--path")
