@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net/http"
 	"net/url"
 	"os"
@@ -53,6 +54,10 @@ type inspectFlags struct {
 	nodeName     string
 	backend      string
 	output       string
+	cniConfDir   string
+	// pluginFlags: --exclude-namespaces or --agent-pod-label given, which then win
+	// over the node's meshcni entry.
+	pluginFlags bool
 }
 
 func newInspectCmd() *cobra.Command {
@@ -85,6 +90,7 @@ that is not meshed; 2 on usage errors and when the pod or its netns cannot be fo
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx, cancel := context.WithTimeout(cmd.Context(), f.timeout)
 			defer cancel()
+			f.pluginFlags = cmd.Flags().Changed("exclude-namespaces") || cmd.Flags().Changed("agent-pod-label")
 			return runInspect(ctx, cmd.OutOrStdout(), f, args)
 		},
 	}
@@ -96,6 +102,7 @@ that is not meshed; 2 on usage errors and when the pod or its netns cannot be fo
 	fl.StringVar(&f.nodeName, "node-name", defaultNodeName(), "this node's name, to tell when the pod runs elsewhere (from $NODE_NAME, else the host name)")
 	fl.StringVar(&f.backend, "backend", "auto", "backend whose rules to read: auto (whichever holds rules), nftables, iptables-nft or iptables-legacy")
 	fl.StringVarP(&f.output, "output", "o", "text", "text or json")
+	fl.StringVar(&f.cniConfDir, "cni-conf-dir", "/etc/cni/net.d", "the node's CNI configuration directory: the plugin's exclude_namespaces and agent_pod_label are read from meshcni's entry there, unless given as flags")
 	return cmd
 }
 
@@ -118,17 +125,20 @@ func defaultNodeName() string {
 
 // inspectReport is inspect's result; -o json prints it as is.
 type inspectReport struct {
-	Pod      string                  `json:"pod,omitempty"` // namespace/name
-	Node     string                  `json:"node,omitempty"`
-	Meshed   *bool                   `json:"meshed,omitempty"`
-	Reason   string                  `json:"reason,omitempty"`
-	Warnings []string                `json:"warnings,omitempty"`
-	Spec     *spec.Spec              `json:"spec,omitempty"` // pkg/spec's field names
-	Netns    string                  `json:"netns"`
-	Live     map[backend.Kind]string `json:"live"`            // backend → its live meshcni rules
-	Drift    *driftReport            `json:"drift,omitempty"` // meshed pods only
-	Status   string                  `json:"status"`
-	Problems []string                `json:"problems,omitempty"`
+	Pod      string     `json:"pod,omitempty"` // namespace/name
+	Node     string     `json:"node,omitempty"`
+	Meshed   *bool      `json:"meshed,omitempty"`
+	Reason   string     `json:"reason,omitempty"`
+	Warnings []string   `json:"warnings,omitempty"`
+	Spec     *spec.Spec `json:"spec,omitempty"` // pkg/spec's field names
+	// PluginConfig is the node's file whose meshcni entry the decision used ("" when
+	// the flags were given or no entry was found).
+	PluginConfig string                  `json:"pluginConfig,omitempty"`
+	Netns        string                  `json:"netns"`
+	Live         map[backend.Kind]string `json:"live"`            // backend → its live meshcni rules
+	Drift        *driftReport            `json:"drift,omitempty"` // meshed pods only
+	Status       string                  `json:"status"`
+	Problems     []string                `json:"problems,omitempty"`
 
 	plan *podPlan
 	pod  *corev1.Pod
@@ -182,6 +192,17 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 		pod, err := getPod(ctx, f.kubeconfig, ns, name)
 		if err != nil {
 			return &exitError{code: exitUsage, err: err}
+		}
+		if !f.pluginFlags {
+			cfg, file, err := nodePluginConfig(f.cniConfDir)
+			switch {
+			case err == nil:
+				f.excludeNamespaces, f.agentLabel, r.PluginConfig = cfg.ExcludeNamespaces, cfg.AgentLabel.String(), file
+			case errors.Is(err, errNoEntry), errors.Is(err, fs.ErrNotExist):
+				// Not installed here (or another conf dir): the flags' defaults decide.
+			default:
+				return &exitError{code: exitUsage, err: err}
+			}
 		}
 		p, err := f.plan(pod)
 		if err != nil {
@@ -263,6 +284,9 @@ func (r *inspectReport) subject() string {
 func printInspect(out io.Writer, r *inspectReport) {
 	if r.plan != nil {
 		printPlan(out, r.pod, *r.plan)
+		if r.PluginConfig != "" {
+			fmt.Fprintf(out, "config:   meshcni entry of %s\n", r.PluginConfig)
+		}
 		fmt.Fprintf(out, "node:     %s\n", r.Node)
 	}
 	fmt.Fprintf(out, "netns:    %s\n", r.Netns)

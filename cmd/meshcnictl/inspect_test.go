@@ -254,14 +254,16 @@ func TestInspectExplainTestbed(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	common := []string{"--kubeconfig", tb.Kubeconfig(), "--netns-dir", testbedNetnsDir, "--node-name", testbed.NodeName}
+	// --cni-conf-dir: the decision uses the plugin's entry the agent wrote there.
+	common := []string{"--kubeconfig", tb.Kubeconfig(), "--netns-dir", testbedNetnsDir, "--node-name", testbed.NodeName, "--cni-conf-dir", testbed.CNIConfDir}
+	configLine := "config:   meshcni entry of " + filepath.Join(testbed.CNIConfDir, testbed.DefaultConflistName)
 	for _, tc := range []struct {
 		pod      string
 		extra    []string
 		wantCode int
 		want     []string
 	}{
-		{"meshed", nil, 0, []string{"decision: redirected", "exclude 5432", "live:     nftables", "redirect to :15006", "drift:    none", "result:   in sync"}},
+		{"meshed", nil, 0, []string{"decision: redirected", configLine, "exclude 5432", "live:     nftables", "redirect to :15006", "drift:    none", "result:   in sync"}},
 		{"plain", nil, 0, []string{"decision: not redirected", "reason:   no istio-proxy container", "live:     no meshcni rules", "result:   not meshed"}},
 		{"broken", nil, exitDrift, []string{"decision: redirected", "drift:\n  missing:", "istio-inbound", "result:   DRIFT"}},
 		{"plain-ruled", nil, exitDrift, []string{"decision: not redirected", "live:     nftables", "result:   UNEXPECTED RULES: the pod is not meshed but nftables holds meshcni rules"}},
@@ -303,7 +305,7 @@ func TestInspectExplainTestbed(t *testing.T) {
 			t.Fatalf("json: %v\n%s", err, out)
 		}
 		if code != exitDrift || r.Status != statusDrift || r.Meshed == nil || !*r.Meshed || r.Drift == nil || len(r.Drift.Missing) == 0 ||
-			r.Pod != inspectNS+"/broken" || r.Node != testbed.NodeName || !strings.HasPrefix(r.Netns, testbedNetnsDir) || r.Live[backend.Nftables] == "" {
+			r.Pod != inspectNS+"/broken" || r.Node != testbed.NodeName || r.PluginConfig != filepath.Join(testbed.CNIConfDir, testbed.DefaultConflistName) || !strings.HasPrefix(r.Netns, testbedNetnsDir) || r.Live[backend.Nftables] == "" {
 			t.Fatalf("exit %d, report %+v", code, r)
 		}
 		for _, m := range r.Drift.Missing {
