@@ -15,6 +15,7 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -123,7 +124,7 @@ func (f *explainFlags) plan(pod *corev1.Pod) (podPlan, error) {
 	if err != nil {
 		return podPlan{}, fmt.Errorf("--agent-pod-label: %w", err)
 	}
-	p := podPlan{Decision: podspec.Decide(pod, podspec.Config{ExcludeNamespaces: f.excludeNamespaces, AgentLabel: label})}
+	p := podPlan{Decision: podspec.Decide(corepod.From(pod), podspec.Config{ExcludeNamespaces: f.excludeNamespaces, AgentLabel: label})}
 	if !p.Decision.Meshed {
 		return p, nil
 	}
@@ -131,7 +132,7 @@ func (f *explainFlags) plan(pod *corev1.Pod) (podPlan, error) {
 	if err != nil {
 		return p, err
 	}
-	res, err := podspec.ForPod(pod, addrs)
+	res, err := podspec.ForPod(corepod.From(pod), addrs)
 	if err != nil {
 		return p, fmt.Errorf("the plugin would fail ADD (no rule applied): %w", err)
 	}

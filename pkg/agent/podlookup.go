@@ -1,12 +1,14 @@
 package agent
 
 import (
+	"encoding/json"
 	"fmt"
 
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
 
 // PodSource is the agent's cache of its node's pods (*nodepods.Cache).
@@ -36,10 +38,11 @@ func AnswerPod(pods PodSource, req agentsock.PodRequest) (agentsock.PodResponse,
 	if !ok {
 		return agentsock.PodResponse{Reason: "pod not in the agent's cache of this node's pods"}, nil
 	}
-	if !podspec.IsRuntimePod(pod, req.UID) {
+	p := corepod.From(pod)
+	if !podspec.IsRuntimePod(p, req.UID) {
 		return agentsock.PodResponse{Reason: fmt.Sprintf("the cached pod has UID %s, not %s", pod.UID, req.UID)}, nil
 	}
-	b, err := pod.Marshal()
+	b, err := json.Marshal(p)
 	if err != nil {
 		return agentsock.PodResponse{}, fmt.Errorf("encode pod %s/%s: %w", req.Namespace, req.Name, err)
 	}

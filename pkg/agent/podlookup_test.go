@@ -1,17 +1,18 @@
 package agent
 
 import (
+	"encoding/json"
 	"reflect"
 	"strings"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
-	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/nodepods"
 	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
 
 // mapPods is a PodSource for this pure-logic test (the real cache, pkg/nodepods, is
@@ -67,8 +68,8 @@ func TestAnswerPod(t *testing.T) {
 				}
 				return
 			}
-			var p corev1.Pod
-			if !resp.Found || p.Unmarshal(resp.Pod) != nil || string(p.UID) != tc.wantUID || p.Name != tc.req.Name {
+			var p podspec.Pod
+			if !resp.Found || json.Unmarshal(resp.Pod, &p) != nil || p.UID != tc.wantUID || p.Name != tc.req.Name {
 				t.Fatalf("got %+v, want pod %s with UID %s", resp, tc.req.Name, tc.wantUID)
 			}
 		})
@@ -76,9 +77,9 @@ func TestAnswerPod(t *testing.T) {
 }
 
 // TestAnswerPodKeepsWhatThePluginDecidesOn: the pod the agent answers with, taken from
-// the cache (which trims it, nodepods.Trim) and sent protobuf-encoded, decodes to the
-// cached pod exactly, and the plugin's decision and spec from it equal those from the
-// pod as the API server returns it: an answer from the agent never changes a redirect.
+// the cache (which trims it, nodepods.Trim) and sent as the JSON of a podspec.Pod,
+// decodes to exactly what podspec reads of the API's pod, and the plugin's decision
+// and spec from it equal those from the pod as the API server returns it: an answer from the agent never changes a redirect.
 func TestAnswerPodKeepsWhatThePluginDecidesOn(t *testing.T) {
 	uid := int64(1337)
 	always := corev1.ContainerRestartPolicyAlways
@@ -117,18 +118,20 @@ func TestAnswerPodKeepsWhatThePluginDecidesOn(t *testing.T) {
 	if err != nil || !resp.Found {
 		t.Fatalf("AnswerPod = %+v, %v", resp, err)
 	}
-	var got corev1.Pod
-	if err := got.Unmarshal(resp.Pod); err != nil {
+	var got podspec.Pod
+	if err := json.Unmarshal(resp.Pod, &got); err != nil {
 		t.Fatal(err)
 	}
-	if !apiequality.Semantic.DeepEqual(&got, cached) {
-		t.Fatalf("answered pod differs from the cached one:\n%+v\n%+v", &got, cached)
+	// The answer holds everything podspec reads of the API's pod: the cache's trim
+	// keeps it, the JSON of podspec.Pod carries it.
+	if fromAPI := corepod.From(api); !reflect.DeepEqual(&got, fromAPI) {
+		t.Fatalf("answered pod differs from the API's:\n%+v\n%+v", &got, fromAPI)
 	}
 	cfg := podspec.Config{}
-	if a, b := podspec.Decide(api, cfg), podspec.Decide(&got, cfg); a != b || !a.Meshed {
+	if a, b := podspec.Decide(corepod.From(api), cfg), podspec.Decide(&got, cfg); a != b || !a.Meshed {
 		t.Fatalf("decision from the API's pod %+v, from the agent's %+v (want equal and meshed)", a, b)
 	}
-	want, err := podspec.Build(api)
+	want, err := podspec.Build(corepod.From(api))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -27,6 +27,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/fileutil"
 	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/testbed"
 )
 
@@ -232,7 +233,7 @@ func TestAgentOnTestbed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s, err := podspec.Spec(meshed)
+	s, err := podspec.Spec(corepod.From(meshed))
 	if err != nil {
 		t.Fatal(err)
 	}

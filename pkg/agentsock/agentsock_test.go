@@ -282,7 +282,7 @@ func TestGetPod(t *testing.T) {
 		}
 		switch pr.Name {
 		case "web":
-			return json.Marshal(PodResponse{Found: true, Pod: []byte(pr.Namespace + "/web/" + pr.UID)})
+			return json.Marshal(PodResponse{Found: true, Pod: json.RawMessage(`{"metadata":{"namespace":"` + pr.Namespace + `","name":"web","uid":"` + pr.UID + `"}}`)})
 		case "broken":
 			return json.Marshal(PodResponse{Found: true})
 		}
@@ -298,7 +298,7 @@ func TestGetPod(t *testing.T) {
 	for _, tc := range []struct {
 		name, wantPod, wantReason, wantErr string
 	}{
-		{"web", "ns/web/u1", "", ""},
+		{"web", `{"metadata":{"namespace":"ns","name":"web","uid":"u1"}}`, "", ""},
 		{"other", "", "not cached", ""},
 		{"broken", "", "", "found without a pod"},
 	} {

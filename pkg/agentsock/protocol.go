@@ -116,14 +116,13 @@ type PodRequest struct {
 // PodResponse answers a RequestPod. Found is false when the cache cannot answer
 // (the agent has no API access, its cache is not synced yet, the pod is not in it,
 // or it has another UID); Reason then says which, and the plugin asks the API server.
-// Pod is the v1 Pod in Kubernetes' protobuf encoding (k8s.io/api's generated
-// Marshal; base64 in the JSON line): the plugin decodes it without reflection, where
-// decoding JSON into a v1.Pod costs 1.3–2.2 ms in a fresh process. The agentsock
-// package itself stays free of Kubernetes packages.
+// Pod is the pod as the JSON of a podspec.Pod (the fields meshcni reads, with the
+// Kubernetes API's field names), which the plugin decodes without linking any
+// Kubernetes package. The agentsock package itself stays free of Kubernetes packages.
 type PodResponse struct {
-	Found  bool   `json:"found"`
-	Reason string `json:"reason,omitempty"`
-	Pod    []byte `json:"pod,omitempty"`
+	Found  bool            `json:"found"`
+	Reason string          `json:"reason,omitempty"`
+	Pod    json.RawMessage `json:"pod,omitempty"`
 }
 
 // Log attribute keys lifted into LogRecord.Pod.

@@ -19,6 +19,7 @@ import (
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/images"
 	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/proxysim"
 	"github.com/meshcni/meshcni/pkg/testbed"
 )
@@ -39,7 +40,7 @@ func TestPods(t *testing.T) {
 		if p.Namespace != Namespace {
 			t.Errorf("%s: namespace %q", p.Name, p.Namespace)
 		}
-		d := podspec.Decide(p, podspec.Config{ExcludeNamespaces: []string{"kube-system"}})
+		d := podspec.Decide(corepod.From(p), podspec.Config{ExcludeNamespaces: []string{"kube-system"}})
 		if d.Meshed != want[p.Name] {
 			t.Errorf("%s: meshed=%v (%s), want %v", p.Name, d.Meshed, d.Reason, want[p.Name])
 		}
@@ -52,7 +53,7 @@ func TestPods(t *testing.T) {
 			}
 		}
 		if p.Name == MeshedPod {
-			s, err := podspec.Spec(p)
+			s, err := podspec.Spec(corepod.From(p))
 			if err != nil {
 				t.Fatal(err)
 			}

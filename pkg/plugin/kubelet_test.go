@@ -23,6 +23,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/proxysim"
 	"github.com/meshcni/meshcni/pkg/testbed"
 )
@@ -189,7 +190,7 @@ func TestKubeletChain(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		s, err := podspec.Spec(pod)
+		s, err := podspec.Spec(corepod.From(pod))
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -12,6 +12,7 @@ package plugin
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -26,7 +27,6 @@ import (
 	current "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/cni/pkg/version"
 	"github.com/containernetworking/plugins/pkg/ns"
-	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/backend"
@@ -75,7 +75,7 @@ type Plugin struct {
 
 // PodGetter fetches one pod (PodClient in production).
 type PodGetter interface {
-	GetPod(ctx context.Context, namespace, name string) (*corev1.Pod, error)
+	GetPod(ctx context.Context, namespace, name string) (*podspec.Pod, error)
 	Server() string
 }
 
@@ -262,7 +262,7 @@ func (inv *invocation) engineOptions() engine.Options {
 }
 
 // podSpec derives the spec and sets its families from the prevResult's addresses.
-func (inv *invocation) podSpec(pod *corev1.Pod, prev *current.Result) (*spec.Spec, error) {
+func (inv *invocation) podSpec(pod *podspec.Pod, prev *current.Result) (*spec.Spec, error) {
 	res, err := podspec.Build(pod)
 	if err != nil {
 		return nil, types.NewError(types.ErrInvalidNetworkConfig, fmt.Sprintf(
@@ -276,7 +276,7 @@ func (inv *invocation) podSpec(pod *corev1.Pod, prev *current.Result) (*spec.Spe
 	return res.Spec, nil
 }
 
-func trimPodPrefix(err error, pod *corev1.Pod) string {
+func trimPodPrefix(err error, pod *podspec.Pod) string {
 	return strings.TrimPrefix(err.Error(), fmt.Sprintf("pod %s/%s: ", pod.Namespace, pod.Name))
 }
 
@@ -293,7 +293,7 @@ func resultAddrs(r *current.Result) []netip.Addr {
 
 // fetchPod GETs the pod within api_timeout and checks its UID. Every failure is a CNI
 // error saying what is wrong and what to do: meshcni fails closed.
-func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*corev1.Pod, error) {
+func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*podspec.Pod, error) {
 	const closed = "meshcni fails closed so the pod is not started unredirected"
 	if pod := inv.podFromAgent(ctx); pod != nil {
 		return pod, nil
@@ -332,7 +332,7 @@ const AgentLookupTimeout = 50 * time.Millisecond
 // on any miss (no agent, an agent without a cache or without the pod, another UID,
 // a timeout, a bad answer): the caller then GETs the pod from the API server, so the
 // agent can make ADD faster but never decides a failure.
-func (inv *invocation) podFromAgent(ctx context.Context) *corev1.Pod {
+func (inv *invocation) podFromAgent(ctx context.Context) *podspec.Pod {
 	if inv.sock == nil {
 		return nil
 	}
@@ -340,7 +340,7 @@ func (inv *invocation) podFromAgent(ctx context.Context) *corev1.Pod {
 	ctx, cancel := context.WithTimeout(ctx, AgentLookupTimeout)
 	defer cancel()
 	resp, err := inv.sock.GetPod(ctx, agentsock.PodRequest{Namespace: inv.namespace, Name: inv.name, UID: inv.uid})
-	miss := func(reason string, args ...any) *corev1.Pod {
+	miss := func(reason string, args ...any) *podspec.Pod {
 		inv.log.Debug("pod not answered by the agent, asking the API server", append([]any{"reason", reason, "duration", time.Since(t0)}, args...)...)
 		return nil
 	}
@@ -350,8 +350,8 @@ func (inv *invocation) podFromAgent(ctx context.Context) *corev1.Pod {
 	case !resp.Found:
 		return miss(resp.Reason)
 	}
-	var pod corev1.Pod
-	if err := pod.Unmarshal(resp.Pod); err != nil {
+	var pod podspec.Pod
+	if err := json.Unmarshal(resp.Pod, &pod); err != nil {
 		return miss("undecodable pod", "err", err)
 	}
 	if pod.Namespace != inv.namespace || pod.Name != inv.name {

@@ -28,6 +28,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/nodepods"
 	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/proxysim"
 )
 
@@ -57,16 +58,16 @@ func withLabel(k, v string) podOpt {
 }
 func withProxyEnv(k, v string) podOpt {
 	return func(p *corev1.Pod) {
-		c, _ := podspec.FindProxy(p)
+		c, _ := proxyContainer(p)
 		c.Env = append(c.Env, corev1.EnvVar{Name: k, Value: v})
 	}
 }
 func withProxyArgs(a ...string) podOpt {
-	return func(p *corev1.Pod) { c, _ := podspec.FindProxy(p); c.Args = a }
+	return func(p *corev1.Pod) { c, _ := proxyContainer(p); c.Args = a }
 }
 func withProxyUser(uid int64) podOpt {
 	return func(p *corev1.Pod) {
-		c, _ := podspec.FindProxy(p)
+		c, _ := proxyContainer(p)
 		c.SecurityContext = &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}
 	}
 }
@@ -164,7 +165,7 @@ func TestRealAPIDecisionMatrix(t *testing.T) {
 				t.Fatalf("result %v lost the prevResult's IP", res)
 			}
 			if tt.meshed {
-				s, err := podspec.Spec(pod)
+				s, err := podspec.Spec(corepod.From(pod))
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -596,4 +597,16 @@ func BenchmarkColdStart(b *testing.B) {
 			b.Fatalf("%v: %s", err, out)
 		}
 	}
+}
+
+// proxyContainer is the test pod's istio-proxy container (regular or init).
+func proxyContainer(p *corev1.Pod) (*corev1.Container, bool) {
+	for _, cs := range [][]corev1.Container{p.Spec.Containers, p.Spec.InitContainers} {
+		for i := range cs {
+			if cs[i].Name == podspec.ProxyContainer {
+				return &cs[i], true
+			}
+		}
+	}
+	return nil, false
 }

@@ -10,8 +10,6 @@ import (
 	"strconv"
 	"strings"
 
-	corev1 "k8s.io/api/core/v1"
-
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -110,7 +108,7 @@ func (c Config) ExcludedNamespace(ns string) bool {
 // (sidecar.istio.io/inject=false; the label wins over the annotation), must not carry
 // istio-init (that container redirects by itself), and its proxy must be an enabled
 // sidecar (not DISABLE_ENVOY, not a router/gateway, interception mode not NONE).
-func Decide(pod *corev1.Pod, cfg Config) Decision {
+func Decide(pod *Pod, cfg Config) Decision {
 	if pod == nil {
 		return skip("no pod")
 	}
@@ -166,7 +164,7 @@ func Decide(pod *corev1.Pod, cfg Config) Decision {
 
 // FindProxy returns the istio-proxy container and whether it is a native sidecar.
 // An istio-proxy init container counts only with restartPolicy Always.
-func FindProxy(pod *corev1.Pod) (c *corev1.Container, native bool) {
+func FindProxy(pod *Pod) (c *Container, native bool) {
 	for i := range pod.Spec.Containers {
 		if pod.Spec.Containers[i].Name == ProxyContainer {
 			return &pod.Spec.Containers[i], false
@@ -174,7 +172,7 @@ func FindProxy(pod *corev1.Pod) (c *corev1.Container, native bool) {
 	}
 	for i := range pod.Spec.InitContainers {
 		ic := &pod.Spec.InitContainers[i]
-		if ic.Name == ProxyContainer && ic.RestartPolicy != nil && *ic.RestartPolicy == corev1.ContainerRestartPolicyAlways {
+		if ic.Name == ProxyContainer && ic.RestartPolicy != nil && *ic.RestartPolicy == ContainerRestartPolicyAlways {
 			return ic, true
 		}
 	}
@@ -182,7 +180,7 @@ func FindProxy(pod *corev1.Pod) (c *corev1.Container, native bool) {
 }
 
 // proxyType is istio-proxy's role from its args ("proxy sidecar ..." or "proxy router").
-func proxyType(c *corev1.Container) string {
+func proxyType(c *Container) string {
 	args := c.Args
 	if len(args) >= 2 && args[0] == "proxy" {
 		return args[1]
@@ -192,7 +190,7 @@ func proxyType(c *corev1.Container) string {
 
 // proxyEnv holds the istio-proxy container's literal environment values (valueFrom
 // entries cannot be resolved here and are left out, as istio-cni does).
-func proxyEnv(c *corev1.Container) map[string]string {
+func proxyEnv(c *Container) map[string]string {
 	env := make(map[string]string, len(c.Env))
 	for _, e := range c.Env {
 		if e.ValueFrom == nil {
@@ -211,7 +209,7 @@ type Result struct {
 }
 
 // Spec derives the pod's redirect spec. See Build.
-func Spec(pod *corev1.Pod) (*spec.Spec, error) {
+func Spec(pod *Pod) (*spec.Spec, error) {
 	r, err := Build(pod)
 	if err != nil {
 		return nil, err
@@ -240,7 +238,7 @@ func Spec(pod *corev1.Pod) (*spec.Spec, error) {
 //
 // A present annotation with a bad value is an error (a *spec.FieldError naming the
 // annotation and the value); nothing must be applied then.
-func Build(pod *corev1.Pod) (Result, error) {
+func Build(pod *Pod) (Result, error) {
 	if pod == nil {
 		return Result{}, fmt.Errorf("no pod")
 	}
@@ -385,7 +383,7 @@ func WithFamilies(s *spec.Spec, addrs []netip.Addr) {
 // pod's addresses (WithFamilies): what the plugin applies at ADD, for callers that
 // program a pod after the fact (the agent's repair controller). addrs are the pod's
 // addresses (status.podIPs).
-func ForPod(pod *corev1.Pod, addrs []netip.Addr) (Result, error) {
+func ForPod(pod *Pod, addrs []netip.Addr) (Result, error) {
 	res, err := Build(pod)
 	if err != nil {
 		return Result{}, err
@@ -400,6 +398,6 @@ const AnnotationMirror = "kubernetes.io/config.mirror"
 
 // IsRuntimePod reports whether pod is the one the container runtime is creating
 // with uid (CNI's K8S_POD_UID): its own UID, or a static pod's through its mirror.
-func IsRuntimePod(pod *corev1.Pod, uid string) bool {
-	return string(pod.UID) == uid || pod.Annotations[AnnotationMirror] == uid
+func IsRuntimePod(pod *Pod, uid string) bool {
+	return pod.UID == uid || pod.Annotations[AnnotationMirror] == uid
 }

@@ -7,17 +7,14 @@ import (
 	"strings"
 	"testing"
 
-	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
 // PodOption mutates a test pod.
-type podOpt func(*corev1.Pod)
+type podOpt func(*Pod)
 
 func ann(k, v string) podOpt {
-	return func(p *corev1.Pod) {
+	return func(p *Pod) {
 		if p.Annotations == nil {
 			p.Annotations = map[string]string{}
 		}
@@ -26,7 +23,7 @@ func ann(k, v string) podOpt {
 }
 
 func label(k, v string) podOpt {
-	return func(p *corev1.Pod) {
+	return func(p *Pod) {
 		if p.Labels == nil {
 			p.Labels = map[string]string{}
 		}
@@ -35,54 +32,54 @@ func label(k, v string) podOpt {
 }
 
 func env(k, v string) podOpt {
-	return func(p *corev1.Pod) {
+	return func(p *Pod) {
 		c, _ := FindProxy(p)
-		c.Env = append(c.Env, corev1.EnvVar{Name: k, Value: v})
+		c.Env = append(c.Env, EnvVar{Name: k, Value: v})
 	}
 }
 
 func runAs(uid, gid *int64) podOpt {
-	return func(p *corev1.Pod) {
+	return func(p *Pod) {
 		c, _ := FindProxy(p)
-		c.SecurityContext = &corev1.SecurityContext{RunAsUser: uid, RunAsGroup: gid}
+		c.SecurityContext = &SecurityContext{RunAsUser: uid, RunAsGroup: gid}
 	}
 }
 
 func args(a ...string) podOpt {
-	return func(p *corev1.Pod) {
+	return func(p *Pod) {
 		c, _ := FindProxy(p)
 		c.Args = a
 	}
 }
 
-var noProxy podOpt = func(p *corev1.Pod) { p.Spec.Containers = p.Spec.Containers[:1] }
+var noProxy podOpt = func(p *Pod) { p.Spec.Containers = p.Spec.Containers[:1] }
 
-var nativeSidecar podOpt = func(p *corev1.Pod) {
-	always := corev1.ContainerRestartPolicyAlways
+var nativeSidecar podOpt = func(p *Pod) {
+	always := ContainerRestartPolicyAlways
 	proxy := p.Spec.Containers[1]
 	proxy.RestartPolicy = &always
 	p.Spec.Containers = p.Spec.Containers[:1]
 	p.Spec.InitContainers = append(p.Spec.InitContainers, proxy)
 }
 
-var proxyAsPlainInit podOpt = func(p *corev1.Pod) {
+var proxyAsPlainInit podOpt = func(p *Pod) {
 	proxy := p.Spec.Containers[1]
 	p.Spec.Containers = p.Spec.Containers[:1]
 	p.Spec.InitContainers = append(p.Spec.InitContainers, proxy)
 }
 
-var withIstioInit podOpt = func(p *corev1.Pod) {
-	p.Spec.InitContainers = append(p.Spec.InitContainers, corev1.Container{Name: InitContainer, Image: "istio/proxyv2"})
+var withIstioInit podOpt = func(p *Pod) {
+	p.Spec.InitContainers = append(p.Spec.InitContainers, Container{Name: InitContainer, Image: "istio/proxyv2"})
 }
 
 // meshedPod is what Istio's injector produces (without istio-init, as with istio-cni).
-func meshedPod(opts ...podOpt) *corev1.Pod {
-	p := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{
+func meshedPod(opts ...podOpt) *Pod {
+	p := &Pod{
+		ObjectMeta: ObjectMeta{
 			Name: "web", Namespace: "app", UID: "uid-1",
 			Annotations: map[string]string{AnnotationStatus: `{"containers":["istio-proxy"]}`},
 		},
-		Spec: corev1.PodSpec{Containers: []corev1.Container{
+		Spec: PodSpec{Containers: []Container{
 			{Name: "app", Image: "app"},
 			{Name: ProxyContainer, Image: "istio/proxyv2", Args: []string{"proxy", "sidecar", "--domain", "app.svc.cluster.local"}},
 		}},
@@ -99,7 +96,7 @@ func TestDecide(t *testing.T) {
 	cfg := Config{ExcludeNamespaces: []string{"kube-system", "istio-system"}}
 	tests := []struct {
 		name   string
-		pod    *corev1.Pod
+		pod    *Pod
 		cfg    Config
 		meshed bool
 		reason string
@@ -108,8 +105,8 @@ func TestDecide(t *testing.T) {
 		{"native sidecar", meshedPod(nativeSidecar), cfg, true, "native sidecar"},
 		{"istio-proxy init container without restartPolicy Always", meshedPod(proxyAsPlainInit), cfg, false, "no istio-proxy container"},
 		{"no proxy", meshedPod(noProxy), cfg, false, "no istio-proxy container"},
-		{"no status annotation", meshedPod(func(p *corev1.Pod) { p.Annotations = nil }), cfg, false, "sidecar.istio.io/status"},
-		{"excluded namespace", meshedPod(func(p *corev1.Pod) { p.Namespace = "kube-system" }), cfg, false, "namespace kube-system is excluded"},
+		{"no status annotation", meshedPod(func(p *Pod) { p.Annotations = nil }), cfg, false, "sidecar.istio.io/status"},
+		{"excluded namespace", meshedPod(func(p *Pod) { p.Namespace = "kube-system" }), cfg, false, "namespace kube-system is excluded"},
 		{"agent pod (default label)", meshedPod(label("app.kubernetes.io/name", "meshcni")), cfg, false, "node agent"},
 		{"agent pod (configured label)", meshedPod(label("k8s-app", "mesh-agent")), Config{AgentLabel: Label{"k8s-app", "mesh-agent"}}, false, "node agent"},
 		{"other app label", meshedPod(label("app.kubernetes.io/name", "web")), cfg, true, ""},
@@ -164,7 +161,7 @@ func TestSpec(t *testing.T) {
 	}
 	tests := []struct {
 		name string
-		pod  *corev1.Pod
+		pod  *Pod
 		want *spec.Spec
 		warn string
 	}{
@@ -244,7 +241,7 @@ func TestSpec(t *testing.T) {
 
 func TestSpecBadValues(t *testing.T) {
 	tests := []struct {
-		pod   *corev1.Pod
+		pod   *Pod
 		field string
 		value string
 	}{

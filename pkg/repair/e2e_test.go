@@ -36,6 +36,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/ociimage"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/proxysim"
 	"github.com/meshcni/meshcni/pkg/repair"
 	"github.com/meshcni/meshcni/pkg/testbed"
@@ -451,7 +452,7 @@ func assertRedirected(t *testing.T, ctx context.Context, pod *corev1.Pod) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	res, err := podspec.ForPod(pod, ips)
+	res, err := podspec.ForPod(corepod.From(pod), ips)
 	if err != nil {
 		t.Fatal(err)
 	}

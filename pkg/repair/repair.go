@@ -30,6 +30,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
 
 // Action is what the controller does to a broken pod.
@@ -191,7 +192,7 @@ func Decide(pod *corev1.Pod, p Policy) Decision {
 	if f == nil {
 		return skip("not broken: %s", why)
 	}
-	if d := podspec.Decide(pod, p.Mesh); !d.Meshed {
+	if d := podspec.Decide(corepod.From(pod), p.Mesh); !d.Meshed {
 		return skip("not meshed: %s", d.Reason)
 	}
 	if pod.Spec.HostNetwork {

@@ -1,0 +1,54 @@
+package plugin_test
+
+import (
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/meshcni/meshcni/internal/testutil"
+)
+
+// TestPluginLinksNoKubernetes keeps the plugin binary free of Kubernetes' Go
+// packages: k8s.io/api and apimachinery alone cost the plugin ~2 ms of start-up per
+// exec (package init, a binary half again as large), and it runs once per pod sandbox
+// for ADD and for DEL. The plugin decodes pods into podspec.Pod; converting corev1
+// pods (podspec/corepod) is for the agent and meshcnictl only.
+func TestPluginLinksNoKubernetes(t *testing.T) {
+	gobin := testutil.RequireBinary(t, "go")
+	root, err := testutil.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(gobin, "list", "-deps", "./cmd/meshcni")
+	cmd.Dir = root
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("go list -deps ./cmd/meshcni: %v", err)
+	}
+	deps := strings.Fields(string(out))
+	if len(deps) < 50 || !contains(deps, "github.com/meshcni/meshcni/pkg/plugin") {
+		t.Fatalf("go list -deps ./cmd/meshcni listed %d packages, not the plugin's graph", len(deps))
+	}
+	forbidden := []string{
+		"k8s.io/", // api, apimachinery, client-go, klog, utils
+		"github.com/meshcni/meshcni/pkg/podspec/corepod", // the corev1 conversion
+		"github.com/gogo/protobuf/",
+		"google.golang.org/protobuf/",
+	}
+	for _, d := range deps {
+		for _, f := range forbidden {
+			if strings.HasPrefix(d, f) {
+				t.Errorf("cmd/meshcni links %s (forbidden prefix %q); see `go mod why -m` / `go list -deps`", d, f)
+			}
+		}
+	}
+}
+
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
