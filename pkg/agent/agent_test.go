@@ -13,10 +13,12 @@ import (
 	"errors"
 	"io/fs"
 	"log/slog"
+	"maps"
 	"math/big"
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -288,9 +290,12 @@ func TestAgentGoldenShapes(t *testing.T) {
 				}
 			}
 
+			// In lexical order, so the primary (kubelet's first) appears first: the golden
+			// "after" states assume the agent never chained into a later file meanwhile
+			// (map order made that random: a .conf written first got converted).
 			before := readDir(t, filepath.Join(tc, "before"))
-			for name, content := range before {
-				if err := fileutil.WriteFileAtomic(filepath.Join(e.confDir, name), []byte(content), 0o644); err != nil {
+			for _, name := range slices.Sorted(maps.Keys(before)) {
+				if err := fileutil.WriteFileAtomic(filepath.Join(e.confDir, name), []byte(before[name]), 0o644); err != nil {
 					t.Fatal(err)
 				}
 			}
