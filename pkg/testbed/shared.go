@@ -55,17 +55,11 @@ func RunMain(m *testing.M) int {
 // CNIBinDir) and use their own namespaces or pod names.
 func Shared(t testing.TB) *Testbed {
 	t.Helper()
-	testutil.RequireRoot(t)
-	if _, err := Lookup(); err != nil {
-		if errors.Is(err, ErrNotBuilt) {
-			testutil.Missing(t, "%v", err)
-		}
-		t.Fatalf("testbed: %v", err)
-	}
+	requireBuilt(t)
 	sharedMu.Lock()
 	defer sharedMu.Unlock()
-	if sharedTB != nil && (!sharedTB.owned || sharedTB.IsRunning()) {
-		return sharedTB
+	if tb := runningShared(); tb != nil {
+		return tb
 	}
 	if sharedFail != nil {
 		t.Fatalf("shared test bed failed to start earlier: %v", sharedFail)
@@ -109,17 +103,11 @@ func Shared(t testing.TB) *Testbed {
 // API-only tests never waits on its own lock. Skips/fails like Shared.
 func API(t testing.TB) *Testbed {
 	t.Helper()
-	testutil.RequireRoot(t)
-	if _, err := Lookup(); err != nil {
-		if errors.Is(err, ErrNotBuilt) {
-			testutil.Missing(t, "%v", err)
-		}
-		t.Fatalf("testbed: %v", err)
-	}
+	requireBuilt(t)
 	sharedMu.Lock()
 	defer sharedMu.Unlock()
-	if sharedTB != nil && (!sharedTB.owned || sharedTB.IsRunning()) {
-		return sharedTB
+	if tb := runningShared(); tb != nil {
+		return tb
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
@@ -140,4 +128,26 @@ func API(t testing.TB) *Testbed {
 		}
 	})
 	return tb
+}
+
+// requireBuilt skips the test outside CI, and fails it under CI=true, when not root
+// or when the test bed's binaries are not built.
+func requireBuilt(t testing.TB) {
+	t.Helper()
+	testutil.RequireRoot(t)
+	if _, err := Lookup(); err != nil {
+		if errors.Is(err, ErrNotBuilt) {
+			testutil.Missing(t, "%v", err)
+		}
+		t.Fatalf("testbed: %v", err)
+	}
+}
+
+// runningShared is this binary's shared test bed when it is still usable (attached,
+// or started by us and running); nil otherwise. Call it with sharedMu held.
+func runningShared() *Testbed {
+	if sharedTB != nil && (!sharedTB.owned || sharedTB.IsRunning()) {
+		return sharedTB
+	}
+	return nil
 }
