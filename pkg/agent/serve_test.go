@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
+	"github.com/meshcni/meshcni/internal/agenttest"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/fileutil"
 )
@@ -45,37 +46,6 @@ func scrape(t *testing.T, addr string) map[string]*dto.MetricFamily {
 		t.Fatalf("parse /metrics: %v", err)
 	}
 	return fams
-}
-
-// value returns the metric of fam whose labels include want.
-func value(fams map[string]*dto.MetricFamily, name string, want map[string]string) (float64, bool) {
-	fam, ok := fams[name]
-	if !ok {
-		return 0, false
-	}
-next:
-	for _, m := range fam.Metric {
-		for k, v := range want {
-			found := false
-			for _, l := range m.Label {
-				if l.GetName() == k && l.GetValue() == v {
-					found = true
-				}
-			}
-			if !found {
-				continue next
-			}
-		}
-		switch {
-		case m.Counter != nil:
-			return m.Counter.GetValue(), true
-		case m.Gauge != nil:
-			return m.Gauge.GetValue(), true
-		case m.Histogram != nil:
-			return float64(m.Histogram.GetSampleCount()), true
-		}
-	}
-	return 0, false
 }
 
 func TestHealthMetricsAndPluginSocket(t *testing.T) {
@@ -133,7 +103,7 @@ func TestHealthMetricsAndPluginSocket(t *testing.T) {
 	var fams map[string]*dto.MetricFamily
 	eventually(t, 5*time.Second, "command metrics", func() error {
 		fams = scrape(t, r.addr)
-		if v, _ := value(fams, "meshcni_plugin_cmd_total", map[string]string{"command": "other", "result": "other"}); v != 1 {
+		if v, _ := agenttest.Value(fams, "meshcni_plugin_cmd_total", map[string]string{"command": "other", "result": "other"}); v != 1 {
 			return fmt.Errorf("other/other = %v", v)
 		}
 		return nil
@@ -153,7 +123,7 @@ func TestHealthMetricsAndPluginSocket(t *testing.T) {
 		{"meshcni_plugin_add_duration_seconds", map[string]string{"result": "success"}, 1},
 		{"meshcni_plugin_add_duration_seconds", map[string]string{"result": "error"}, 1},
 	} {
-		got, ok := value(fams, tc.name, tc.labels)
+		got, ok := agenttest.Value(fams, tc.name, tc.labels)
 		if !ok || got != tc.want {
 			t.Errorf("%s%v = %v (present %v), want %v", tc.name, tc.labels, got, ok, tc.want)
 		}
@@ -167,7 +137,7 @@ func TestHealthMetricsAndPluginSocket(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, 5*time.Second, "re-injection counted", func() error {
-		if v, _ := value(scrape(t, r.addr), "meshcni_agent_reinjections_total", nil); v != 1 {
+		if v, _ := agenttest.Value(scrape(t, r.addr), "meshcni_agent_reinjections_total", nil); v != 1 {
 			return fmt.Errorf("reinjections = %v", v)
 		}
 		return nil
@@ -223,7 +193,7 @@ func TestBadInputNotReady(t *testing.T) {
 			if code != http.StatusServiceUnavailable || !strings.Contains(body, tc.wantMsg) {
 				t.Errorf("/readyz = %d %q, want 503 naming %q", code, body, tc.wantMsg)
 			}
-			if v, _ := value(scrape(t, r.addr), "meshcni_agent_ready", nil); v != 0 {
+			if v, _ := agenttest.Value(scrape(t, r.addr), "meshcni_agent_ready", nil); v != 0 {
 				t.Errorf("meshcni_agent_ready = %v", v)
 			}
 			if after := readDir(t, e.confDir); sameDir(after, before) != nil {
