@@ -8,7 +8,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshcni/meshcni/internal/conformance"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/backend/nftables"
@@ -36,52 +35,12 @@ func build(t testing.TB, s *spec.Spec) *rules.Ruleset {
 // a fresh namespace, loads Istio's golden with nft into another, and compares both
 // kernels' rules per table and chain, order kept.
 func TestConformanceIstio(t *testing.T) {
-	nfttest.Require(t)
-	cases := conformance.Cases(t, "nftables")
-	conformance.EnsureGroups(t, "java", "ftp")
 	b := nftables.New()
-	equal := 0
-	for _, c := range cases {
-		t.Run(c.Name, func(t *testing.T) {
-			s, err := c.Spec()
-			if err != nil {
-				t.Fatal(err)
-			}
-			golden, err := os.ReadFile(c.Golden("nftables"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			mine, theirs := testutil.NewNetns(t), testutil.NewNetns(t)
-			if err := b.Apply(context.Background(), mine, rules.Build(s)); err != nil {
-				t.Fatalf("apply: %v", err)
-			}
-			nfttest.Load(t, theirs, nfttest.Golden(string(golden)))
-			d := nfttest.Diff(nfttest.Parse(nfttest.List(t, theirs)), nfttest.Parse(nfttest.List(t, mine)))
-			if why, known := knownDifferences[c.Name]; known {
-				if d == "" {
-					t.Errorf("listed as a known difference (%s) but equal: remove it from the list", why)
-				} else {
-					t.Logf("known difference: %s\n%s", why, d)
-				}
-				return
-			}
-			if d != "" {
-				t.Errorf("kernel state differs from Istio's:\n%s", d)
-				return
-			}
-			equal++
-		})
-	}
-	t.Logf("netlink backend equals Istio's golden for %d/%d cases (%d known differences: %s)",
-		equal, len(cases), len(knownDifferences), strings.Join(keys(knownDifferences), ", "))
-}
-
-func keys(m map[string]string) []string {
-	var out []string
-	for k := range m {
-		out = append(out, k)
-	}
-	return out
+	nfttest.Conformance(t, "netlink backend", knownDifferences, func(t *testing.T, netns string, rs *rules.Ruleset) {
+		if err := b.Apply(context.Background(), netns, rs); err != nil {
+			t.Fatalf("apply: %v", err)
+		}
+	})
 }
 
 // TestApplyEqualsRender: the netlink backend and `nft -f` of the rendered script

@@ -137,40 +137,9 @@ var KnownDifferences = map[string]string{}
 // TestRenderMatchesIstio loads the rendered script and Istio's golden into two fresh
 // namespaces and compares what the kernel holds.
 func TestRenderMatchesIstio(t *testing.T) {
-	nfttest.Require(t)
-	cases := conformance.Cases(t, "nftables")
-	conformance.EnsureGroups(t, "java", "ftp")
-	equal := 0
-	for _, c := range cases {
-		t.Run(c.Name, func(t *testing.T) {
-			s, err := c.Spec()
-			if err != nil {
-				t.Fatal(err)
-			}
-			golden, err := os.ReadFile(c.Golden("nftables"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			mine, theirs := testutil.NewNetns(t), testutil.NewNetns(t)
-			nfttest.Load(t, mine, nft.Render(rules.Build(s)))
-			nfttest.Load(t, theirs, nfttest.Golden(string(golden)))
-			d := nfttest.Diff(nfttest.Parse(nfttest.List(t, theirs)), nfttest.Parse(nfttest.List(t, mine)))
-			if why, known := KnownDifferences[c.Name]; known {
-				if d == "" {
-					t.Errorf("listed as a known difference (%s) but equal: remove it from the list", why)
-				} else {
-					t.Logf("known difference: %s\n%s", why, d)
-				}
-				return
-			}
-			if d != "" {
-				t.Errorf("kernel state differs from Istio's:\n%s", d)
-				return
-			}
-			equal++
-		})
-	}
-	t.Logf("rendered script equals Istio's golden for %d/%d cases (%d known differences)", equal, len(cases), len(KnownDifferences))
+	nfttest.Conformance(t, "rendered script", KnownDifferences, func(t *testing.T, netns string, rs *rules.Ruleset) {
+		nfttest.Load(t, netns, nft.Render(rs))
+	})
 }
 
 // TestRenderIdempotent loads the script twice, and a different ruleset over it.
