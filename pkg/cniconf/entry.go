@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"path/filepath"
-	"regexp"
 )
 
 // PluginType is the "type" of meshcni's entry in a CNI configuration list.
@@ -39,7 +38,22 @@ var (
 	Backends = []string{"auto", "nftables", "iptables-nft", "iptables-legacy", "iptables"}
 )
 
-var dns1123Label = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`)
+// isDNS1123Label reports whether s matches ^[a-z0-9]([-a-z0-9]*[a-z0-9])?$ and is at
+// most 63 bytes long: a Kubernetes namespace name. A loop, not a regexp, because the
+// CNI plugin links this package and a package-level regexp compiled at every plugin
+// start (~0.07 ms, 50 allocations).
+func isDNS1123Label(s string) bool {
+	if len(s) == 0 || len(s) > 63 || s[0] == '-' || s[len(s)-1] == '-' {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if (c < 'a' || c > 'z') && (c < '0' || c > '9') && c != '-' {
+			return false
+		}
+	}
+	return true
+}
 
 // Validate reports the first invalid field.
 func (e PluginEntry) Validate() error {
@@ -62,7 +76,7 @@ func (e PluginEntry) Validate() error {
 		}
 	}
 	for _, ns := range e.ExcludeNamespaces {
-		if len(ns) > 63 || !dns1123Label.MatchString(ns) {
+		if !isDNS1123Label(ns) {
 			return fmt.Errorf("plugin entry: exclude_namespaces: %q is not a valid namespace name", ns)
 		}
 	}
