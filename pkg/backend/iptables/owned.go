@@ -22,9 +22,20 @@ func ownedChain(name string) bool {
 
 // ownedBuiltinShapes is compiled on first use, not at package init: the CNI plugin
 // links this package and starts once per pod, and most of its runs never need it
-// (compiling at init cost ~0.2 ms of every start).
-var ownedBuiltinShapes = sync.OnceValue(func() []*regexp.Regexp {
-	return []*regexp.Regexp{
+// (compiling at init cost ~0.2 ms of every start). A sync.Once rather than a
+// package-level sync.OnceValue, whose closure is allocated at init.
+func ownedBuiltinShapes() []*regexp.Regexp {
+	ownedShapesOnce.Do(compileOwnedShapes)
+	return ownedShapes
+}
+
+var (
+	ownedShapesOnce sync.Once
+	ownedShapes     []*regexp.Regexp
+)
+
+func compileOwnedShapes() {
+	ownedShapes = []*regexp.Regexp{
 		// interface short-circuits: -i X -j RETURN / -o X -j RETURN
 		regexp.MustCompile(`^-[io] [A-Za-z0-9_.@-]+ -j RETURN$`),
 		// TPROXY: save the proxy's mark on the connection
@@ -36,7 +47,7 @@ var ownedBuiltinShapes = sync.OnceValue(func() []*regexp.Regexp {
 		// TPROXY: restore the connection mark
 		regexp.MustCompile(`^-p tcp -m connmark --mark 0x[0-9a-f]+ -j CONNMARK --restore-mark( --nfmask 0xffffffff --ctmask 0xffffffff)?$`),
 	}
-})
+}
 
 func ownedBuiltinRule(spec string) bool {
 	if i := strings.LastIndex(spec, "-j "); i >= 0 {

@@ -64,12 +64,25 @@ func Base(table, chain string) (BaseChain, bool) {
 }
 
 // chainOrder is the order in which Istio declares each table's chains (and so the
-// order of `nft list`).
-var chainOrder = map[string][]string{
-	rules.TableNat:    {rules.ChainPrerouting, rules.ChainOutput, rules.ChainInbound, rules.ChainRedirect, rules.ChainInRedirect, rules.ChainOutputChain, rules.ChainOutputDNS},
-	rules.TableMangle: {rules.ChainPrerouting, rules.ChainOutput, rules.ChainDivert, rules.ChainTProxy, rules.ChainInbound, rules.ChainDrop},
-	rules.TableRaw:    {rules.ChainPrerouting, rules.ChainOutput, rules.ChainInbound, rules.ChainOutputDNS},
+// order of `nft list`). Arrays and a switch, not a package-level map: the CNI plugin
+// links this package, and a map literal is built at every plugin start.
+func chainOrder(table string) []string {
+	switch table {
+	case rules.TableNat:
+		return natChainOrder[:]
+	case rules.TableMangle:
+		return mangleChainOrder[:]
+	case rules.TableRaw:
+		return rawChainOrder[:]
+	}
+	return nil
 }
+
+var (
+	natChainOrder    = [...]string{rules.ChainPrerouting, rules.ChainOutput, rules.ChainInbound, rules.ChainRedirect, rules.ChainInRedirect, rules.ChainOutputChain, rules.ChainOutputDNS}
+	mangleChainOrder = [...]string{rules.ChainPrerouting, rules.ChainOutput, rules.ChainDivert, rules.ChainTProxy, rules.ChainInbound, rules.ChainDrop}
+	rawChainOrder    = [...]string{rules.ChainPrerouting, rules.ChainOutput, rules.ChainInbound, rules.ChainOutputDNS}
+)
 
 // Table is one resolved inet table, with its chains in declaration order.
 type Table struct {
@@ -91,7 +104,7 @@ func Resolve(rs *rules.Ruleset) []Table {
 			}
 			t := Table{Model: name, Name: TableName(name)}
 			done := map[string]bool{}
-			for _, cn := range chainOrder[name] {
+			for _, cn := range chainOrder(name) {
 				if c := rt.Chain(cn); c != nil {
 					t.Chains = append(t.Chains, *c)
 					done[cn] = true
