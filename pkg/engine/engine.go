@@ -11,7 +11,6 @@ import (
 	"log/slog"
 
 	"github.com/meshcni/meshcni/pkg/backend"
-	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -95,11 +94,12 @@ func Check(ctx context.Context, o Options, s *spec.Spec) (backend.Drift, error) 
 // Clean removes meshcni's rules from every backend that holds some (an explicit
 // backend cleans only itself), and the TPROXY policy routing and ::6.
 //
-// With backend.Auto, one netlink socket lists the namespace's nftables tables and
-// deletes meshcni's own in one batch; then, in one entry into the namespace,
-// iptables-nft-save runs only when an iptables-nft table holds an ISTIO_* chain,
-// iptables-legacy-save only when iptables-legacy has tables there, and the policy
-// routing and ::6 are removed.
+// With backend.Auto, one entry into the namespace opens an nftables and an
+// rtnetlink socket and reads whether iptables-legacy has tables there; then, from
+// outside, the nftables socket lists the tables and deletes meshcni's own in one
+// batch, iptables-nft-save runs only when an iptables-nft table holds an ISTIO_*
+// chain, iptables-legacy-save only when iptables-legacy has tables, and the
+// rtnetlink socket removes the policy routing and ::6.
 func Clean(ctx context.Context, o Options) error {
 	socks := &sockets{}
 	defer socks.release(o)
@@ -120,50 +120,47 @@ func Clean(ctx context.Context, o Options) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	conn, closeConn, err := nftConn(o.NetnsPath, socks)
+	ss, err := openSession(o.NetnsPath, wantNft|wantRoute|wantLegacy, socks)
 	if err != nil {
 		return err
 	}
-	p, err := probeTables(conn, true) // on an error listing chains, p.ours is still known
+	defer ss.close()
+	p, err := probeTables(ss.nft, true) // on an error listing chains, p.ours is still known
 	if len(p.ours) > 0 {
 		for _, t := range p.ours {
-			conn.DelTable(t)
+			ss.nft.DelTable(t)
 		}
-		if ferr := conn.Flush(); ferr != nil {
+		if ferr := ss.nft.Flush(); ferr != nil {
 			err = errors.Join(err, fmt.Errorf("clean %s: delete tables in netns %q: %w", backend.Nftables, o.NetnsPath, ferr))
 		} else {
 			o.log().Debug("nftables tables deleted", "netns", o.NetnsPath, "tables", len(p.ours))
 		}
 	}
-	closeConn()
+	ss.closeNft()
 	if err != nil && len(p.ours) == 0 {
 		return err // its tables could not be read, and none of ours is known
 	}
 	errs := []error{err}
-	errs = append(errs, netnsutil.Do(o.NetnsPath, func() error {
-		var errs []error
-		var kinds []backend.Kind
-		if p.xtIstio {
-			kinds = append(kinds, backend.IptablesNft)
+	var kinds []backend.Kind
+	if p.xtIstio {
+		kinds = append(kinds, backend.IptablesNft)
+	}
+	if ss.legacy {
+		kinds = append(kinds, backend.IptablesLegacy)
+	}
+	for _, k := range kinds {
+		b, err := New(k)
+		if err != nil {
+			errs = append(errs, err)
+			continue
 		}
-		if legacyHere() {
-			kinds = append(kinds, backend.IptablesLegacy)
+		if err := b.Clean(ctx, o.NetnsPath); err != nil {
+			errs = append(errs, fmt.Errorf("clean %s: %w", k, err))
 		}
-		for _, k := range kinds {
-			b, err := New(k)
-			if err != nil {
-				errs = append(errs, err)
-				continue
-			}
-			if err := b.Clean(ctx, ""); err != nil {
-				errs = append(errs, fmt.Errorf("clean %s: %w", k, err))
-			}
-		}
-		if err := cleanNetwork(""); err != nil {
-			errs = append(errs, fmt.Errorf("clean policy routing: %w", err))
-		}
-		return errors.Join(errs...)
-	}))
+	}
+	if err := cleanRouting(ss.rt); err != nil {
+		errs = append(errs, fmt.Errorf("clean policy routing: %w", err))
+	}
 	return errors.Join(errs...)
 }
 

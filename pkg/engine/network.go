@@ -119,41 +119,59 @@ func isDefault(n *net.IPNet) bool {
 	return ones == 0
 }
 
-// cleanNetwork removes fwmark rules that lead to a table whose only job is
-// meshcni's "local default dev lo" route, and that route, and ::6 on lo.
+// cleanNetwork removes, in the namespace at netns, what cleanRouting removes.
 func cleanNetwork(netns string) error {
-	return netnsutil.Do(netns, func() error {
-		var errs []error
-		for _, f := range []rules.Family{rules.V4, rules.V6} {
-			rf := routeFamilies[f]
-			list, err := netlink.RuleList(rf.family)
-			if err != nil {
-				continue // family not available in this namespace
-			}
-			for _, r := range list {
-				if r.Mark == 0 || r.Table <= 0 || r.Table >= 252 {
-					continue
-				}
-				routes, err := netlink.RouteListFiltered(rf.family, &netlink.Route{Table: r.Table}, netlink.RT_FILTER_TABLE)
-				if err != nil || len(routes) != 1 || routes[0].Type != unix.RTN_LOCAL || !(routes[0].Dst == nil || isDefault(routes[0].Dst)) {
-					continue
-				}
-				rule := r
-				if err := netlink.RuleDel(&rule); err != nil && !errors.Is(err, unix.ENOENT) {
-					errs = append(errs, fmt.Errorf("delete %s rule fwmark %d lookup %d: %w", f, r.Mark, r.Table, err))
-				}
-				route := routes[0]
-				if err := netlink.RouteDel(&route); err != nil && !errors.Is(err, unix.ESRCH) {
-					errs = append(errs, fmt.Errorf("delete %s route table %d: %w", f, r.Table, err))
-				}
-			}
+	ss, err := openSession(netns, wantRoute, nil)
+	if err != nil {
+		return err
+	}
+	defer ss.close()
+	return cleanRouting(ss.rt)
+}
+
+// loIndex is lo's interface index in every network namespace (the kernel's
+// LOOPBACK_IFINDEX).
+const loIndex = 1
+
+// cleanRouting removes, over the rtnetlink handle h, fwmark rules that lead to a
+// table whose only job is meshcni's "local default dev lo" route, and that route,
+// and ::6 on lo. One dump lists the rules of both families; routes are listed only
+// for a candidate rule.
+func cleanRouting(h *netlink.Handle) error {
+	var errs []error
+	list, err := h.RuleList(netlink.FAMILY_ALL)
+	if err != nil {
+		list = nil // no rules to read: nothing of ours to remove
+	}
+	for _, r := range list {
+		var f rules.Family
+		switch r.Family {
+		case unix.AF_INET:
+			f = rules.V4
+		case unix.AF_INET6:
+			f = rules.V6
+		default:
+			continue
 		}
-		if lo, err := netlink.LinkByName("lo"); err == nil {
-			if err := netlink.AddrDel(lo, &netlink.Addr{IPNet: ipv6Passthrough}); err != nil &&
-				!errors.Is(err, unix.EADDRNOTAVAIL) && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.EAFNOSUPPORT) {
-				errs = append(errs, fmt.Errorf("remove ::6 from lo: %w", err))
-			}
+		if r.Mark == 0 || r.Table <= 0 || r.Table >= 252 {
+			continue
 		}
-		return errors.Join(errs...)
-	})
+		routes, err := h.RouteListFiltered(r.Family, &netlink.Route{Table: r.Table}, netlink.RT_FILTER_TABLE)
+		if err != nil || len(routes) != 1 || routes[0].Type != unix.RTN_LOCAL || !(routes[0].Dst == nil || isDefault(routes[0].Dst)) {
+			continue
+		}
+		rule := r
+		if err := h.RuleDel(&rule); err != nil && !errors.Is(err, unix.ENOENT) {
+			errs = append(errs, fmt.Errorf("delete %s rule fwmark %d lookup %d: %w", f, r.Mark, r.Table, err))
+		}
+		route := routes[0]
+		if err := h.RouteDel(&route); err != nil && !errors.Is(err, unix.ESRCH) {
+			errs = append(errs, fmt.Errorf("delete %s route table %d: %w", f, r.Table, err))
+		}
+	}
+	if err := h.AddrDel(nil, &netlink.Addr{IPNet: ipv6Passthrough, LinkIndex: loIndex}); err != nil &&
+		!errors.Is(err, unix.EADDRNOTAVAIL) && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.EAFNOSUPPORT) && !errors.Is(err, unix.ENODEV) {
+		errs = append(errs, fmt.Errorf("remove ::6 from lo: %w", err))
+	}
+	return errors.Join(errs...)
 }

@@ -11,7 +11,6 @@ import (
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/backend/iptables"
 	nftb "github.com/meshcni/meshcni/pkg/backend/nftables"
-	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/rules/nft"
 )
 
@@ -136,22 +135,16 @@ func legacyHere() bool {
 	return false
 }
 
-// probeNetns is the whole probe of a namespace: its nftables tables over one
-// netlink socket, then iptables-legacy's from a thread in the namespace.
+// probeNetns is the whole probe of a namespace, from one entry into it: its
+// nftables tables over a netlink socket, and iptables-legacy's from /proc.
 func probeNetns(netns string, socks *sockets) (probe, error) {
-	conn, closeConn, err := nftConn(netns, socks)
+	ss, err := openSession(netns, wantNft|wantLegacy, socks)
 	if err != nil {
 		return probe{}, err
 	}
-	p, err := probeTables(conn, false)
-	closeConn()
-	if err != nil {
-		return p, err
-	}
-	err = netnsutil.Do(netns, func() error {
-		p.legacy = legacyHere()
-		return nil
-	})
+	p, err := probeTables(ss.nft, false)
+	ss.close()
+	p.legacy = ss.legacy
 	return p, err
 }
 
