@@ -50,11 +50,18 @@ func compileOwnedShapes() {
 }
 
 func ownedBuiltinRule(spec string) bool {
-	if i := strings.LastIndex(spec, "-j "); i >= 0 {
-		target, _, _ := strings.Cut(spec[i+3:], " ")
-		if ownedChain(target) {
-			return true
-		}
+	i := strings.LastIndex(spec, "-j ")
+	if i < 0 {
+		return false // every owned shape jumps
+	}
+	target, _, _ := strings.Cut(spec[i+3:], " ")
+	switch {
+	case ownedChain(target):
+		return true
+	case target != "RETURN" && target != "CONNMARK" && target != "MARK":
+		// The shapes' targets (nothing after them contains "-j "): any other
+		// rule, such as another CNI's, is not ours without compiling the shapes.
+		return false
 	}
 	for _, re := range ownedBuiltinShapes() {
 		if re.MatchString(spec) {
