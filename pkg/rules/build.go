@@ -7,10 +7,12 @@ import (
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
+// Fixed prefixes, built from their bytes rather than parsed: the CNI plugin links
+// this package and runs its initialisation at every start.
 var (
-	v6Loopback   = netip.MustParsePrefix("::1/128")
-	v4Passthru   = netip.MustParsePrefix("127.0.0.6/32")
-	v6Passthru   = netip.MustParsePrefix("::6/128")
+	v6Loopback   = netip.PrefixFrom(netip.AddrFrom16([16]byte{15: 1}), 128)     // ::1/128
+	v4Passthru   = netip.PrefixFrom(netip.AddrFrom4([4]byte{127, 0, 0, 6}), 32) // 127.0.0.6/32
+	v6Passthru   = netip.PrefixFrom(netip.AddrFrom16([16]byte{15: 6}), 128)     // ::6/128
 	dnsPort      = []uint16{53}
 	dnsTCPExempt = PortMatch{Ports: dnsPort, Neg: true}
 )
