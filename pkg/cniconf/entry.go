@@ -38,11 +38,11 @@ var (
 	Backends = []string{"auto", "nftables", "iptables-nft", "iptables-legacy", "iptables"}
 )
 
-// isDNS1123Label reports whether s matches ^[a-z0-9]([-a-z0-9]*[a-z0-9])?$ and is at
-// most 63 bytes long: a Kubernetes namespace name. A loop, not a regexp, because the
-// CNI plugin links this package and a package-level regexp compiled at every plugin
-// start (~0.07 ms, 50 allocations).
-func isDNS1123Label(s string) bool {
+// IsNamespaceName reports whether s is a valid Kubernetes namespace name (an RFC 1123
+// label): it matches ^[a-z0-9]([-a-z0-9]*[a-z0-9])?$ and is at most 63 bytes long.
+// A loop, not a regexp, because the CNI plugin links this package and a package-level
+// regexp compiled at every plugin start (~0.07 ms, 50 allocations).
+func IsNamespaceName(s string) bool {
 	if len(s) == 0 || len(s) > 63 || s[0] == '-' || s[len(s)-1] == '-' {
 		return false
 	}
@@ -76,7 +76,7 @@ func (e PluginEntry) Validate() error {
 		}
 	}
 	for _, ns := range e.ExcludeNamespaces {
-		if !isDNS1123Label(ns) {
+		if !IsNamespaceName(ns) {
 			return fmt.Errorf("plugin entry: exclude_namespaces: %q is not a valid namespace name", ns)
 		}
 	}

@@ -6,9 +6,9 @@ import (
 	"testing"
 )
 
-// isDNS1123Label replaced a regexp: it must agree with it (and the 63-byte limit) on
+// IsNamespaceName replaced a regexp: it must agree with it (and the 63-byte limit) on
 // every input, edge cases included.
-func TestIsDNS1123Label(t *testing.T) {
+func TestIsNamespaceName(t *testing.T) {
 	re := regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`)
 	for _, tc := range []struct {
 		s    string
@@ -36,8 +36,8 @@ func TestIsDNS1123Label(t *testing.T) {
 		{strings.Repeat("a", 64), false},
 		{"a" + strings.Repeat("-", 61) + "z", true},
 	} {
-		if got := isDNS1123Label(tc.s); got != tc.want {
-			t.Errorf("isDNS1123Label(%q) = %v, want %v", tc.s, got, tc.want)
+		if got := IsNamespaceName(tc.s); got != tc.want {
+			t.Errorf("IsNamespaceName(%q) = %v, want %v", tc.s, got, tc.want)
 		}
 		if ref := len(tc.s) <= 63 && re.MatchString(tc.s); ref != tc.want {
 			t.Errorf("table entry %q: regexp says %v, table %v", tc.s, ref, tc.want)
@@ -48,8 +48,8 @@ func TestIsDNS1123Label(t *testing.T) {
 	var walk func(prefix []byte)
 	walk = func(prefix []byte) {
 		s := string(prefix)
-		if got, want := isDNS1123Label(s), re.MatchString(s); got != want {
-			t.Errorf("isDNS1123Label(%q) = %v, regexp %v", s, got, want)
+		if got, want := IsNamespaceName(s), re.MatchString(s); got != want {
+			t.Errorf("IsNamespaceName(%q) = %v, regexp %v", s, got, want)
 		}
 		if len(prefix) == 3 {
 			return
