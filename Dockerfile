@@ -7,7 +7,8 @@
 # It is the image `make images` builds without Docker (pkg/images; docs/demo.md), and
 # pkg/images' TestDockerfileMatchesBuilder keeps the two in step: every cmd/* static
 # (CGO_ENABLED=0, -trimpath, -s -w, -X main.version) in /usr/local/bin, the CNI plugin in
-# /opt/meshcni/bin/meshcni (meshcni-agent's default --plugin-binary), /tmp 1777, on
+# /opt/meshcni/bin/meshcni (meshcni-agent's default --plugin-binary) with its API helper
+# meshcni-podget beside it, /tmp 1777, on
 # scratch, entrypoint meshcni-agent, no USER (the agent writes the node's CNI
 # directories as root; the other commands run as any UID the pod sets). Not run in CI.
 ARG GO_VERSION=1.26.8
@@ -27,7 +28,7 @@ RUN --mount=type=cache,target=/go/pkg/mod --mount=type=cache,target=/root/.cache
     go build -trimpath -ldflags="-s -w -X main.version=$VERSION" -o /out/ ./cmd/...; \
     mkdir -p /rootfs/usr/local/bin /rootfs/opt/meshcni/bin /rootfs/tmp; \
     chmod 1777 /rootfs/tmp; \
-    mv /out/meshcni /rootfs/opt/meshcni/bin/meshcni; \
+    mv /out/meshcni /out/meshcni-podget /rootfs/opt/meshcni/bin/; \
     mv /out/* /rootfs/usr/local/bin/
 
 FROM scratch

@@ -46,6 +46,7 @@ import (
 
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/fileutil"
+	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/testbed"
 )
 
@@ -61,7 +62,8 @@ var (
 	buildErr  error
 )
 
-// Binaries builds ./cmd/meshcni-agent and ./cmd/meshcni (CGO_ENABLED=0, -trimpath)
+// Binaries builds ./cmd/meshcni-agent, ./cmd/meshcni and its API helper
+// ./cmd/meshcni-podget (CGO_ENABLED=0, -trimpath)
 // once per test binary and returns their directory. RemoveBinaries deletes it.
 func Binaries(t testing.TB) string {
 	t.Helper()
@@ -75,7 +77,7 @@ func Binaries(t testing.TB) string {
 		if buildDir, buildErr = os.MkdirTemp("", "meshcni-agenttest-bin-"); buildErr != nil {
 			return
 		}
-		for name, pkg := range map[string]string{AgentBinary: "./cmd/meshcni-agent", PluginBinary: "./cmd/meshcni"} {
+		for name, pkg := range map[string]string{AgentBinary: "./cmd/meshcni-agent", PluginBinary: "./cmd/meshcni", podget.HelperName: "./cmd/meshcni-podget"} {
 			cmd := exec.Command(gobin, "build", "-trimpath", "-o", filepath.Join(buildDir, name), pkg)
 			cmd.Dir = root
 			cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
@@ -205,7 +207,13 @@ func Start(t testing.TB, o Options) *Agent {
 	})
 
 	conf := snapshot(t, o.ConfDir)
-	plugin, pluginErr := os.ReadFile(filepath.Join(o.BinDir, PluginBinary))
+	// The plugin and its API helper as they were in the bin dir, restored at the end.
+	installed := map[string][]byte{}
+	for _, name := range []string{PluginBinary, podget.HelperName} {
+		if b, err := os.ReadFile(filepath.Join(o.BinDir, name)); err == nil {
+			installed[name] = b
+		}
+	}
 
 	logf, err := os.Create(a.LogPath)
 	if err != nil {
@@ -235,13 +243,15 @@ func Start(t testing.TB, o Options) *Agent {
 			}
 		}
 		restore(t, o.ConfDir, conf)
-		dst := filepath.Join(o.BinDir, PluginBinary)
-		if pluginErr == nil {
-			if err := fileutil.WriteFileAtomic(dst, plugin, 0o755); err != nil {
-				t.Errorf("agenttest: restore %s: %v", dst, err)
+		for _, name := range []string{PluginBinary, podget.HelperName} {
+			dst := filepath.Join(o.BinDir, name)
+			if b, ok := installed[name]; ok {
+				if err := fileutil.WriteFileAtomic(dst, b, 0o755); err != nil {
+					t.Errorf("agenttest: restore %s: %v", dst, err)
+				}
+			} else if err := os.Remove(dst); err != nil && !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("agenttest: %v", err)
 			}
-		} else if err := os.Remove(dst); err != nil && !errors.Is(err, os.ErrNotExist) {
-			t.Errorf("agenttest: %v", err)
 		}
 		os.RemoveAll(runDir)
 	})

@@ -1,4 +1,8 @@
-package plugin
+// Package fakeapi is an httptest TLS server that answers pod GETs the way the
+// Kubernetes API does (JSON pods, Status errors, bearer tokens), for unit tests of the
+// plugin's API path (pkg/kubeapi, pkg/plugin). Tests of Kubernetes behaviour use the
+// real API server of pkg/testbed instead.
+package fakeapi
 
 import (
 	"encoding/base64"
@@ -8,7 +12,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -17,9 +20,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 )
 
-// fakeAPI is an httptest TLS server that serves pod GETs, for unit tests only (the
-// real-API tests use pkg/testbed).
-type fakeAPI struct {
+// Server serves pod GETs.
+type Server struct {
 	srv    *httptest.Server
 	token  string
 	mu     sync.Mutex
@@ -28,35 +30,51 @@ type fakeAPI struct {
 	hits   atomic.Int64
 }
 
-func newFakeAPI(t *testing.T, token string) *fakeAPI {
-	f := &fakeAPI{token: token, pods: map[string]*corev1.Pod{}}
+// URL is the server's https URL.
+func (f *Server) URL() string { return f.srv.URL }
+
+// Hits counts the requests served.
+func (f *Server) Hits() int64 { return f.hits.Load() }
+
+// New starts a server that wants token as bearer ("" accepts any request); it stops
+// with the test.
+func New(t testing.TB, token string) *Server {
+	f := &Server{token: token, pods: map[string]*corev1.Pod{}}
 	f.srv = httptest.NewTLSServer(http.HandlerFunc(f.serve))
 	t.Cleanup(f.srv.Close)
 	return f
 }
 
-func (f *fakeAPI) addPod(p *corev1.Pod) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.pods[p.Namespace+"/"+p.Name] = p
+// AddPod serves p at its namespace and name.
+func (f *Server) AddPod(p *corev1.Pod) {
+	f.SetPod(p.Namespace+"/"+p.Name, p)
 }
 
-func (f *fakeAPI) setStatus(code int) {
+// SetPod serves p under key "namespace/name", which may differ from p's own.
+func (f *Server) SetPod(key string, p *corev1.Pod) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.pods[key] = p
+}
+
+// SetStatus makes every GET fail with code (0: serve pods again).
+func (f *Server) SetStatus(code int) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.status = code
 }
 
-func writeStatus(w http.ResponseWriter, code int, msg string) {
+// WriteStatus writes a Kubernetes Status error.
+func WriteStatus(w http.ResponseWriter, code int, msg string) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(code)
 	_ = json.NewEncoder(w).Encode(map[string]any{"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": msg, "code": code})
 }
 
-func (f *fakeAPI) serve(w http.ResponseWriter, r *http.Request) {
+func (f *Server) serve(w http.ResponseWriter, r *http.Request) {
 	f.hits.Add(1)
 	if f.token != "" && r.Header.Get("Authorization") != "Bearer "+f.token {
-		writeStatus(w, 401, "Unauthorized")
+		WriteStatus(w, 401, "Unauthorized")
 		return
 	}
 	f.mu.Lock()
@@ -64,34 +82,39 @@ func (f *fakeAPI) serve(w http.ResponseWriter, r *http.Request) {
 	f.mu.Unlock()
 	parts := strings.Split(strings.Trim(r.URL.Path, "/"), "/")
 	if len(parts) != 6 || parts[0] != "api" || parts[1] != "v1" || parts[2] != "namespaces" || parts[4] != "pods" {
-		writeStatus(w, 404, "no such path "+r.URL.Path)
+		WriteStatus(w, 404, "no such path "+r.URL.Path)
 		return
 	}
 	ns, name := parts[3], parts[5]
 	if status == 403 {
-		writeStatus(w, 403, fmt.Sprintf(`pods %q is forbidden: User "system:serviceaccount:kube-system:nobody" cannot get resource "pods" in API group "" in the namespace %q`, name, ns))
+		WriteStatus(w, 403, fmt.Sprintf(`pods %q is forbidden: User "system:serviceaccount:kube-system:nobody" cannot get resource "pods" in API group "" in the namespace %q`, name, ns))
 		return
 	}
 	if status != 0 {
-		writeStatus(w, status, "forced failure")
+		WriteStatus(w, status, "forced failure")
 		return
 	}
 	f.mu.Lock()
 	p := f.pods[ns+"/"+name]
 	f.mu.Unlock()
 	if p == nil {
-		writeStatus(w, 404, fmt.Sprintf("pods %q not found", name))
+		WriteStatus(w, 404, fmt.Sprintf("pods %q not found", name))
 		return
 	}
 	w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(w).Encode(p)
 }
 
-// kubeconfig writes a token kubeconfig for the server with inline CA data.
-func (f *fakeAPI) kubeconfig(t *testing.T, dir string) string {
+// CAPEM is the server certificate, PEM-encoded.
+func (f *Server) CAPEM() []byte {
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: f.srv.Certificate().Raw})
+}
+
+// Kubeconfig writes a token kubeconfig for the server, with inline CA data, at path
+// (mode 0600) and returns path.
+func (f *Server) Kubeconfig(t testing.TB, path string) string {
 	t.Helper()
-	ca := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: f.srv.Certificate().Raw})
-	path := filepath.Join(dir, KubeconfigName)
+	ca := f.CAPEM()
 	data := fmt.Sprintf(`apiVersion: v1
 kind: Config
 clusters:

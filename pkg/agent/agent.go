@@ -19,6 +19,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
 	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/nodepods"
+	"github.com/meshcni/meshcni/pkg/podget"
 )
 
 // Runnable is one long-running part of the agent. Run blocks until ctx ends (nil) or
@@ -79,7 +80,7 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 			StandaloneFile: cfg.StandaloneFileName,
 			Entry:          cfg.Entry(),
 		},
-		Binary:            &install.Binary{Src: cfg.PluginBinary, Dst: cfg.PluginPath()},
+		Binary:            &install.Binary{Src: cfg.PluginBinary, Dst: cfg.PluginPath(), Companions: []string{podget.HelperName}},
 		Kubeconfig:        &install.Kubeconfig{Source: src, Path: cfg.KubeconfigPath()},
 		Debounce:          cfg.Debounce,
 		Resync:            cfg.Resync,

@@ -28,6 +28,7 @@ import (
 	promtestutil "github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/meshcni/meshcni/pkg/fileutil"
+	"github.com/meshcni/meshcni/pkg/podget"
 )
 
 // goldenDir holds the configuration-directory shapes shared with pkg/cniconf/confdir.
@@ -97,6 +98,9 @@ func newEnv(t testing.TB) *env {
 		}
 	}
 	if err := os.WriteFile(e.pluginSrc, []byte("#!/bin/false\nmeshcni plugin v1\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(filepath.Dir(e.pluginSrc), podget.HelperName), []byte("#!/bin/false\nmeshcni-podget v1\n"), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	e.kubeconfigSrc = filepath.Join(root, "admin.conf")
@@ -313,7 +317,7 @@ func TestAgentGoldenShapes(t *testing.T) {
 			if err := sameDir(e.normalized(t), readDir(t, filepath.Join(tc, "uninstalled"))); err != nil {
 				t.Errorf("after uninstall: %v", err)
 			}
-			for _, p := range []string{filepath.Join(e.binDir, "meshcni"), filepath.Join(e.runDir, KubeconfigName)} {
+			for _, p := range []string{filepath.Join(e.binDir, "meshcni"), filepath.Join(e.binDir, podget.HelperName), filepath.Join(e.runDir, KubeconfigName)} {
 				if _, err := os.Stat(p); !errors.Is(err, fs.ErrNotExist) {
 					t.Errorf("%s left after uninstall (%v)", p, err)
 				}

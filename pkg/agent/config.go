@@ -14,6 +14,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/install"
+	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/repair"
 )
 
@@ -119,7 +120,7 @@ func (c *Config) flagSet(usage io.Writer) (fs *flag.FlagSet, finish func() error
 	fs.StringVar(&c.CNIConfFileName, "cni-conf-file-name", "", "primary CNI configuration file to chain into (default: the lexically first valid one, as kubelet picks)")
 	fs.BoolVar(&c.Chained, "chained", true, "inject into the primary CNI configuration; false writes a standalone list (Multus, OpenShift)")
 	fs.StringVar(&c.StandaloneFileName, "standalone-file-name", "meshcni.conflist", "file name of the standalone list in --cni-conf-dir")
-	fs.StringVar(&c.PluginBinary, "plugin-binary", "/opt/meshcni/bin/meshcni", "meshcni plugin binary to install")
+	fs.StringVar(&c.PluginBinary, "plugin-binary", "/opt/meshcni/bin/meshcni", "meshcni plugin binary to install (its API helper "+podget.HelperName+" is installed from the same directory)")
 	fs.StringVar(&c.RunDir, "run-dir", "/var/run/meshcni", "run directory shared with the plugin: kubeconfig and agent socket")
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig of the agent's own API client (Events, the node's pods); default: the pod's in-cluster service account")
 	fs.StringVar(&c.KubeconfigSource, "kubeconfig-source", "", "kubeconfig to give the plugin (outside a pod); default: build one from the pod's service account")

@@ -26,6 +26,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/fileutil"
+	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/testbed"
@@ -166,6 +167,14 @@ func TestAgentOnTestbed(t *testing.T) {
 
 	// 2. The binary appears: the next resync installs binary, kubeconfig (in already)
 	// and the entry, and /readyz flips to 200.
+	// (Its API helper first: the agent installs the two together.)
+	helper, err := os.ReadFile(filepath.Join(agenttest.Binaries(t), podget.HelperName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := fileutil.WriteFileAtomic(filepath.Join(filepath.Dir(src), podget.HelperName), helper, 0o755); err != nil {
+		t.Fatal(err)
+	}
 	plugin, err := os.ReadFile(filepath.Join(agenttest.Binaries(t), agenttest.PluginBinary))
 	if err != nil {
 		t.Fatal(err)
@@ -183,6 +192,9 @@ func TestAgentOnTestbed(t *testing.T) {
 	}
 	if got, err := os.ReadFile(filepath.Join(testbed.CNIBinDir, "meshcni")); err != nil || string(got) != string(plugin) {
 		t.Fatalf("installed binary: err %v, equal %v", err, string(got) == string(plugin))
+	}
+	if got, err := os.ReadFile(filepath.Join(testbed.CNIBinDir, podget.HelperName)); err != nil || string(got) != string(helper) {
+		t.Fatalf("installed API helper: err %v, equal %v", err, string(got) == string(helper))
 	}
 	kcPath := filepath.Join(a.RunDir, agent.KubeconfigName)
 	if fi, err := os.Stat(kcPath); err != nil || fi.Mode().Perm() != 0o600 {
@@ -302,7 +314,7 @@ func TestAgentOnTestbed(t *testing.T) {
 	if hasMeshcni(pluginTypes(t, primaryPath)) {
 		t.Fatal("entry left after SIGTERM")
 	}
-	for _, p := range []string{filepath.Join(testbed.CNIBinDir, "meshcni"), kcPath} {
+	for _, p := range []string{filepath.Join(testbed.CNIBinDir, "meshcni"), filepath.Join(testbed.CNIBinDir, podget.HelperName), kcPath} {
 		if _, err := os.Stat(p); !os.IsNotExist(err) {
 			t.Fatalf("%s left after SIGTERM (stat: %v)", p, err)
 		}
@@ -316,7 +328,7 @@ func TestAgentOnTestbed(t *testing.T) {
 	if !hasMeshcni(pluginTypes(t, primaryPath)) {
 		t.Fatal("entry removed despite --keep-on-exit")
 	}
-	for _, p := range []string{filepath.Join(testbed.CNIBinDir, "meshcni"), filepath.Join(k.RunDir, agent.KubeconfigName)} {
+	for _, p := range []string{filepath.Join(testbed.CNIBinDir, "meshcni"), filepath.Join(testbed.CNIBinDir, podget.HelperName), filepath.Join(k.RunDir, agent.KubeconfigName)} {
 		if _, err := os.Stat(p); err != nil {
 			t.Fatalf("%s removed despite --keep-on-exit: %v", p, err)
 		}

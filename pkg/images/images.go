@@ -4,8 +4,9 @@
 //
 // Layout inside the image:
 //
-//	/usr/local/bin/<command>     every cmd/* main package except the plugin
-//	/opt/meshcni/bin/meshcni     the CNI plugin (the agent's default --plugin-binary)
+//	/usr/local/bin/<command>           every cmd/* main package except the plugin's two
+//	/opt/meshcni/bin/meshcni           the CNI plugin (the agent's default --plugin-binary)
+//	/opt/meshcni/bin/meshcni-podget    its API helper, installed next to it by the agent
 //	/tmp                         01777
 //
 // The entrypoint is /usr/local/bin/meshcni-agent. The agent has to run as root (it
@@ -54,6 +55,8 @@ const (
 	// (meshcni-agent's default --plugin-binary).
 	PluginCommand = "meshcni"
 	PluginPath    = "/opt/meshcni/bin/meshcni"
+	// HelperCommand is the plugin's API helper (podget.HelperName), next to it.
+	HelperCommand = "meshcni-podget"
 	// AgentCommand is the entrypoint.
 	AgentCommand = "meshcni-agent"
 	// Source is the source repository recorded in the labels.
@@ -62,7 +65,7 @@ const (
 
 // Required are the commands every image must hold; other cmd/* main packages (e.g.
 // meshcni-taint-controller) are added when they exist.
-var Required = []string{PluginCommand, AgentCommand, "meshcnictl", "meshcni-proxysim"}
+var Required = []string{PluginCommand, HelperCommand, AgentCommand, "meshcnictl", "meshcni-proxysim"}
 
 // Arch is a target architecture: GOARCH and, for arm, the GOARM level that is also
 // the OCI platform variant.
@@ -136,8 +139,11 @@ func Ref(hub, tag string) (string, error) {
 
 // PathInImage is where a command's binary lives in the image.
 func PathInImage(command string) string {
-	if command == PluginCommand {
+	switch command {
+	case PluginCommand:
 		return PluginPath
+	case HelperCommand:
+		return path.Join(path.Dir(PluginPath), HelperCommand)
 	}
 	return path.Join(BinDir, command)
 }

@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"io"
 	"os"
+	"path"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -81,6 +82,7 @@ func TestRef(t *testing.T) {
 func TestPathInImage(t *testing.T) {
 	for cmd, want := range map[string]string{
 		"meshcni":                  "/opt/meshcni/bin/meshcni",
+		"meshcni-podget":           "/opt/meshcni/bin/meshcni-podget",
 		"meshcni-agent":            "/usr/local/bin/meshcni-agent",
 		"meshcnictl":               "/usr/local/bin/meshcnictl",
 		"meshcni-taint-controller": "/usr/local/bin/meshcni-taint-controller",
@@ -301,6 +303,7 @@ func TestAssembleMultiArch(t *testing.T) {
 		files := layerFiles(t, img)
 		for path, cmd := range map[string]string{
 			"/opt/meshcni/bin/meshcni":                "meshcni",
+			"/opt/meshcni/bin/meshcni-podget":         "meshcni-podget",
 			"/usr/local/bin/meshcni-agent":            "meshcni-agent",
 			"/usr/local/bin/meshcnictl":               "meshcnictl",
 			"/usr/local/bin/meshcni-proxysim":         "meshcni-proxysim",
@@ -454,7 +457,7 @@ func TestDockerfileMatchesBuilder(t *testing.T) {
 		"ARG GO_VERSION=" + goVersion + "\n",
 		"export CGO_ENABLED=0 GOOS=linux",
 		`go build -trimpath -ldflags="-s -w -X main.version=$VERSION" -o /out/ ./cmd/...`,
-		"mv /out/" + PluginCommand + " /rootfs" + PluginPath + ";",
+		"mv /out/" + PluginCommand + " /out/" + HelperCommand + " /rootfs" + path.Dir(PluginPath) + "/;",
 		"mv /out/* /rootfs" + BinDir + "/",
 		"chmod 1777 /rootfs/tmp",
 		"\nFROM scratch\n",

@@ -10,15 +10,20 @@ import (
 	"io"
 	"io/fs"
 	"os"
+	"path/filepath"
 	"sync"
 	"syscall"
 
 	"github.com/meshcni/meshcni/pkg/fileutil"
 )
 
-// Binary copies the plugin binary Src to Dst.
+// Binary copies the plugin binary Src to Dst, and its companions (files of Src's
+// directory, such as the API helper meshcni-podget) into Dst's directory.
 type Binary struct {
 	Src, Dst string
+	// Companions are file names installed from Src's directory into Dst's before Src
+	// (so the plugin is never in place without them) and removed after it.
+	Companions []string
 
 	mu    sync.Mutex
 	cache map[string]hashed // path → last hash, valid while the file's identity holds
@@ -76,56 +81,111 @@ func (b *Binary) hash(path string) ([sha256.Size]byte, fileID, error) {
 	return sum, id, nil
 }
 
-// Install copies Src to Dst (mode 0755, temp file + rename) unless Dst already holds
-// the same content. It reports whether it wrote.
-func (b *Binary) Install() (bool, error) {
-	if _, _, err := b.hash(b.Src); err != nil {
-		return false, fmt.Errorf("plugin binary source: %w", err)
+// file is one source → destination pair.
+type file struct{ src, dst, what string }
+
+// files lists the companions, then the plugin binary itself: the install order.
+func (b *Binary) files() []file {
+	out := make([]file, 0, len(b.Companions)+1)
+	for _, name := range b.Companions {
+		out = append(out, file{filepath.Join(filepath.Dir(b.Src), name), filepath.Join(filepath.Dir(b.Dst), name), "plugin companion " + name})
 	}
-	err := b.Check()
+	return append(out, file{b.Src, b.Dst, "plugin binary"})
+}
+
+// Install copies Src to Dst (mode 0755, temp file + rename), after its companions,
+// unless each destination already holds the same content. It reports whether it
+// wrote.
+func (b *Binary) Install() (bool, error) {
+	files := b.files()
+	if err := b.sources(files); err != nil {
+		return false, err
+	}
+	wrote := false
+	for _, f := range files {
+		w, err := b.install(f)
+		if err != nil {
+			return wrote, err
+		}
+		wrote = wrote || w
+	}
+	return wrote, nil
+}
+
+// sources checks that every source is readable, the plugin's first (its absence is
+// the likelier and the more telling error).
+func (b *Binary) sources(files []file) error {
+	for i := len(files) - 1; i >= 0; i-- {
+		if _, _, err := b.hash(files[i].src); err != nil {
+			return fmt.Errorf("%s source: %w", files[i].what, err)
+		}
+	}
+	return nil
+}
+
+func (b *Binary) install(f file) (bool, error) {
+	err := b.check(f)
 	if err == nil {
 		return false, nil
 	}
 	if !errors.Is(err, ErrDiffers) && !errors.Is(err, fs.ErrNotExist) {
 		return false, err
 	}
-	src, err := os.ReadFile(b.Src)
+	src, err := os.ReadFile(f.src)
 	if err != nil {
-		return false, fmt.Errorf("plugin binary source: %w", err)
+		return false, fmt.Errorf("%s source: %w", f.what, err)
 	}
-	if err := fileutil.WriteAtomic(b.Dst, bytes.NewReader(src), 0o755, nil); err != nil {
-		return false, fmt.Errorf("install plugin binary: %w", err)
+	if err := fileutil.WriteAtomic(f.dst, bytes.NewReader(src), 0o755, nil); err != nil {
+		return false, fmt.Errorf("install %s: %w", f.what, err)
 	}
 	return true, nil
 }
 
-// Check returns nil when Dst is an executable file with Src's content.
+// Check returns nil when Dst (and each companion) is an executable file with its
+// source's content.
 func (b *Binary) Check() error {
-	want, _, err := b.hash(b.Src)
-	if err != nil {
-		return fmt.Errorf("plugin binary source: %w", err)
+	files := b.files()
+	if err := b.sources(files); err != nil {
+		return err
 	}
-	fi, err := os.Stat(b.Dst)
-	if err != nil {
-		return fmt.Errorf("installed plugin binary: %w", err)
-	}
-	if fi.Mode().Perm()&0o111 == 0 {
-		return fmt.Errorf("installed plugin binary %s is not executable (%v): %w", b.Dst, fi.Mode().Perm(), ErrDiffers)
-	}
-	have, _, err := b.hash(b.Dst)
-	if err != nil {
-		return fmt.Errorf("installed plugin binary: %w", err)
-	}
-	if have != want {
-		return fmt.Errorf("%s: %w", b.Dst, ErrDiffers)
+	for _, f := range files {
+		if err := b.check(f); err != nil {
+			return err
+		}
 	}
 	return nil
 }
 
-// Remove deletes Dst; a missing file is no error.
-func (b *Binary) Remove() error {
-	if err := os.Remove(b.Dst); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("remove plugin binary: %w", err)
+func (b *Binary) check(f file) error {
+	want, _, err := b.hash(f.src)
+	if err != nil {
+		return fmt.Errorf("%s source: %w", f.what, err)
+	}
+	fi, err := os.Stat(f.dst)
+	if err != nil {
+		return fmt.Errorf("installed %s: %w", f.what, err)
+	}
+	if fi.Mode().Perm()&0o111 == 0 {
+		return fmt.Errorf("installed %s %s is not executable (%v): %w", f.what, f.dst, fi.Mode().Perm(), ErrDiffers)
+	}
+	have, _, err := b.hash(f.dst)
+	if err != nil {
+		return fmt.Errorf("installed %s: %w", f.what, err)
+	}
+	if have != want {
+		return fmt.Errorf("%s: %w", f.dst, ErrDiffers)
 	}
 	return nil
+}
+
+// Remove deletes Dst, then its companions; a missing file is no error.
+func (b *Binary) Remove() error {
+	files := b.files()
+	var errs []error
+	for i := len(files) - 1; i >= 0; i-- {
+		if err := os.Remove(files[i].dst); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("remove %s: %w", files[i].what, err))
+		}
+	}
+	return errors.Join(errs...)
 }

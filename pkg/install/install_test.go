@@ -98,6 +98,75 @@ func TestBinaryInstall(t *testing.T) {
 	}
 }
 
+// TestBinaryCompanions: the companion (the API helper) is installed before the plugin,
+// checked with it, repaired alone when it alone is damaged, removed after it; a
+// missing companion source installs nothing.
+func TestBinaryCompanions(t *testing.T) {
+	dir := t.TempDir()
+	srcDir, binDir := filepath.Join(dir, "image"), filepath.Join(dir, "bin")
+	for _, d := range []string{srcDir, binDir} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write := func(p, s string) {
+		if err := os.WriteFile(p, []byte(s), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(filepath.Join(srcDir, "meshcni"), "plugin")
+	b := &Binary{Src: filepath.Join(srcDir, "meshcni"), Dst: filepath.Join(binDir, "meshcni"), Companions: []string{"meshcni-podget"}}
+	helperDst := filepath.Join(binDir, "meshcni-podget")
+
+	// Companion source missing: an error naming it, and nothing installed.
+	if _, err := b.Install(); err == nil || !strings.Contains(err.Error(), "plugin companion meshcni-podget source") {
+		t.Fatalf("Install without the companion's source = %v", err)
+	}
+	if entries, _ := os.ReadDir(binDir); len(entries) != 0 {
+		t.Fatalf("a failed Install left %v", entries)
+	}
+
+	write(filepath.Join(srcDir, "meshcni-podget"), "helper")
+	if changed, err := b.Install(); err != nil || !changed {
+		t.Fatalf("Install = %v, %v", changed, err)
+	}
+	for p, want := range map[string]string{b.Dst: "plugin", helperDst: "helper"} {
+		if got, _ := os.ReadFile(p); string(got) != want {
+			t.Fatalf("%s holds %q, want %q", p, got, want)
+		}
+	}
+	if err := b.Check(); err != nil {
+		t.Fatal(err)
+	}
+	plugIno := inode(t, b.Dst)
+
+	// The helper alone damaged: Check says so, Install rewrites only it.
+	write(helperDst, "tampered")
+	if err := b.Check(); err == nil || !strings.Contains(err.Error(), helperDst) {
+		t.Fatalf("Check with a tampered companion = %v", err)
+	}
+	if changed, err := b.Install(); err != nil || !changed {
+		t.Fatalf("repair Install = %v, %v", changed, err)
+	}
+	if got, _ := os.ReadFile(helperDst); string(got) != "helper" || inode(t, b.Dst) != plugIno {
+		t.Fatalf("companion %q after repair; plugin rewritten: %v", got, inode(t, b.Dst) != plugIno)
+	}
+	os.Remove(helperDst)
+	if err := b.Check(); err == nil {
+		t.Fatal("Check with the companion removed: nil error")
+	}
+	if _, err := b.Install(); err != nil {
+		t.Fatal(err)
+	}
+
+	if err := b.Remove(); err != nil {
+		t.Fatal(err)
+	}
+	if entries, _ := os.ReadDir(binDir); len(entries) != 0 {
+		t.Fatalf("Remove left %v", entries)
+	}
+}
+
 // TestCA returns a PEM self-signed certificate.
 func testCA(t *testing.T) []byte {
 	t.Helper()

@@ -1,4 +1,9 @@
-package plugin
+// Package kubeapi GETs one pod from the Kubernetes API server with a kubeconfig, over
+// plain net/http (no client-go: no clientsets, scheme registration or auth plugins).
+// It is the inside of meshcni-podget, the helper the CNI plugin runs when the node
+// agent cannot answer its pod lookup (see pkg/podget, which keeps this package and its
+// TLS stack out of the plugin binary).
+package kubeapi
 
 import (
 	"context"
@@ -19,14 +24,13 @@ import (
 
 	"sigs.k8s.io/yaml"
 
+	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
-// The plugin talks to the API server with plain net/http: one GET of one pod. It does
-// not link client-go's clientsets, scheme registration or auth plugins, which would
-// multiply the binary's size and its start time (the plugin runs once per pod
-// sandbox). The kubeconfig is the agent's: one cluster, one user, with a bearer
-// token (inline or tokenFile) or a client certificate, and a CA (inline or a file).
+// The kubeconfig is the agent's (or the one the plugin's legacy kubernetes.kubeconfig
+// names): one cluster, one user, with a bearer token (inline or tokenFile) or a client
+// certificate, and a CA (inline or a file).
 
 // kubeconfig is the subset of a kubeconfig file the plugin reads.
 type kubeconfig struct {
@@ -218,29 +222,8 @@ func readToken(path string) (string, error) {
 	return strings.TrimSpace(string(b)), nil
 }
 
-// APIError is a failed pod GET, classified for the message the plugin returns.
-type APIError struct {
-	Server string // the API server URL
-	Status int    // HTTP status; 0 when the server was not reached
-	Err    error  // the transport error, or the server's message
-}
-
-func (e *APIError) Error() string {
-	switch {
-	case e.Status == 0:
-		return fmt.Sprintf("cannot reach the Kubernetes API at %s: %v", e.Server, e.Err)
-	default:
-		return fmt.Sprintf("the Kubernetes API at %s answered %d %s: %v", e.Server, e.Status, http.StatusText(e.Status), e.Err)
-	}
-}
-
-func (e *APIError) Unwrap() error { return e.Err }
-
-// retryable reports whether another attempt may succeed: transport errors, 404 (a
-// static pod's mirror pod may not exist yet), 429 and 5xx. 401 and 403 are final.
-func (e *APIError) retryable() bool {
-	return e.Status == 0 || e.Status == http.StatusNotFound || e.Status == http.StatusTooManyRequests || e.Status >= 500
-}
+// APIError is podget's: the helper reports it to the plugin field by field.
+type APIError = podget.APIError
 
 // PodClient GETs pods from the API server.
 type PodClient struct {
@@ -283,7 +266,10 @@ func (c *PodClient) GetPod(ctx context.Context, namespace, name string) (*podspe
 			return pod, nil
 		}
 		var ae *APIError
-		if !errors.As(err, &ae) || !ae.retryable() {
+		if errors.As(err, &ae) {
+			ae.Attempts = attempt
+		}
+		if ae == nil || !ae.Retryable() {
 			return nil, err
 		}
 		t := time.NewTimer(delay)
@@ -312,7 +298,7 @@ func (c *PodClient) getOnce(ctx context.Context, namespace, name string) (*podsp
 	// package is linked (their init alone costs the plugin ~2 ms per exec), and the
 	// decoder skips the rest of the pod.
 	req.Header.Set("Accept", "application/json")
-	req.Header.Set("User-Agent", "meshcni-plugin")
+	req.Header.Set("User-Agent", "meshcni-podget")
 	token := c.cfg.Token
 	if token == "" && c.cfg.TokenFile != "" {
 		if token, err = readToken(c.cfg.TokenFile); err != nil {

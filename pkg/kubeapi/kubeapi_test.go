@@ -1,4 +1,4 @@
-package plugin
+package kubeapi
 
 import (
 	"context"
@@ -25,6 +25,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	ktypes "k8s.io/apimachinery/pkg/types"
+
+	"github.com/meshcni/meshcni/internal/fakeapi"
 )
 
 func testPod(ns, name, uid string) *corev1.Pod {
@@ -32,9 +34,9 @@ func testPod(ns, name, uid string) *corev1.Pod {
 }
 
 func TestPodClientToken(t *testing.T) {
-	api := newFakeAPI(t, "s3cret")
-	api.addPod(testPod("app", "web", "1"))
-	cfg, err := LoadKubeconfig(api.kubeconfig(t, t.TempDir()))
+	api := fakeapi.New(t, "s3cret")
+	api.AddPod(testPod("app", "web", "1"))
+	cfg, err := LoadKubeconfig(api.Kubeconfig(t, filepath.Join(t.TempDir(), "kubeconfig")))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -49,8 +51,8 @@ func TestPodClientToken(t *testing.T) {
 }
 
 func TestPodClientFailures(t *testing.T) {
-	api := newFakeAPI(t, "tok")
-	cfg, err := LoadKubeconfig(api.kubeconfig(t, t.TempDir()))
+	api := fakeapi.New(t, "tok")
+	cfg, err := LoadKubeconfig(api.Kubeconfig(t, filepath.Join(t.TempDir(), "kubeconfig")))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -58,34 +60,34 @@ func TestPodClientFailures(t *testing.T) {
 	c.Backoff = 10 * time.Millisecond
 
 	// 403 is final: one attempt.
-	api.setStatus(403)
-	before := api.hits.Load()
+	api.SetStatus(403)
+	before := api.Hits()
 	_, err = c.GetPod(context.Background(), "app", "web")
 	var ae *APIError
 	if !errors.As(err, &ae) || ae.Status != 403 || !strings.Contains(err.Error(), "cannot get resource") {
 		t.Fatalf("403: %v", err)
 	}
-	if n := api.hits.Load() - before; n != 1 {
+	if n := api.Hits() - before; n != 1 {
 		t.Fatalf("403 retried: %d requests", n)
 	}
 
 	// 404 and 503 are retried until the deadline.
 	for _, code := range []int{404, 503} {
-		api.setStatus(code)
-		before = api.hits.Load()
+		api.SetStatus(code)
+		before = api.Hits()
 		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 		_, err = c.GetPod(ctx, "app", "web")
 		cancel()
 		if !errors.As(err, &ae) || ae.Status != code {
 			t.Fatalf("%d: %v", code, err)
 		}
-		if n := api.hits.Load() - before; n < 3 {
+		if n := api.Hits() - before; n < 3 {
 			t.Fatalf("%d: only %d attempts before the deadline", code, n)
 		}
 	}
 
 	// Wrong token.
-	api.setStatus(0)
+	api.SetStatus(0)
 	cfg.Token = "wrong"
 	_, err = NewPodClient(cfg).GetPod(context.Background(), "app", "web")
 	if !errors.As(err, &ae) || ae.Status != 401 {
@@ -167,7 +169,7 @@ func TestPodClientClientCertificate(t *testing.T) {
 	pool.AppendCertsFromPEM(caPEM)
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if len(r.TLS.PeerCertificates) == 0 || r.TLS.PeerCertificates[0].Subject.CommonName != "system:node:test" {
-			writeStatus(w, 401, "no client certificate")
+			fakeapi.WriteStatus(w, 401, "no client certificate")
 			return
 		}
 		_, _ = w.Write([]byte(`{"metadata":{"name":"web","namespace":"app","uid":"u1"}}`))

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -60,8 +59,6 @@ type Config struct {
 func (c *Config) PodspecConfig() podspec.Config {
 	return podspec.Config{ExcludeNamespaces: c.ExcludeNamespaces, AgentLabel: c.AgentLabel}
 }
-
-var dns1123Label = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`)
 
 func badField(field string, value any, reason string) *types.Error {
 	return types.NewError(types.ErrInvalidNetworkConfig,
@@ -123,7 +120,7 @@ func ParseConfig(stdin []byte) (*Config, error) {
 	seen := map[string]bool{}
 	for _, list := range [][]string{raw.ExcludeNamespaces, raw.Kubernetes.ExcludeNamespaces} {
 		for _, ns := range list {
-			if len(ns) > 63 || !dns1123Label.MatchString(ns) {
+			if !cniconf.IsNamespaceName(ns) {
 				return nil, badField("exclude_namespaces", strconv.Quote(ns), "not a valid namespace name")
 			}
 			if !seen[ns] {

@@ -28,6 +28,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/testbed"
 )
 
@@ -53,7 +54,8 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// binaries builds meshcni and the test prevplugin once per test binary.
+// binaries builds meshcni, its API helper meshcni-podget (next to it, where the plugin
+// looks for it) and the test prevplugin once per test binary.
 func binaries(t testing.TB) string {
 	t.Helper()
 	gobin := testutil.RequireBinary(t, "go")
@@ -67,7 +69,7 @@ func binaries(t testing.TB) string {
 			buildErr = err
 			return
 		}
-		for name, pkg := range map[string]string{"meshcni": "./cmd/meshcni", "prevplugin": "./pkg/plugin/testdata/prevplugin"} {
+		for name, pkg := range map[string]string{"meshcni": "./cmd/meshcni", podget.HelperName: "./cmd/meshcni-podget", "prevplugin": "./pkg/plugin/testdata/prevplugin"} {
 			cmd := exec.Command(gobin, "build", "-trimpath", "-o", filepath.Join(binDir, name), pkg)
 			cmd.Dir = root
 			cmd.Env = append(os.Environ(), "CGO_ENABLED=0")

@@ -31,6 +31,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -73,7 +74,10 @@ type Plugin struct {
 	NewPodGetter func(kubeconfig string) (PodGetter, error)
 }
 
-// PodGetter fetches one pod (PodClient in production).
+// PodGetter fetches one pod: in production a podget.Getter, which runs the helper
+// meshcni-podget (installed next to the plugin) so that the plugin binary links no
+// HTTPS client. Errors are *podget.APIError, *podget.KubeconfigError or
+// *podget.HelperError; fetchPod turns each into a CNI error that says what to do.
 type PodGetter interface {
 	GetPod(ctx context.Context, namespace, name string) (*podspec.Pod, error)
 	Server() string
@@ -86,11 +90,11 @@ func New() *Plugin {
 		Stdout: os.Stdout,
 		Stderr: os.Stderr,
 		NewPodGetter: func(path string) (PodGetter, error) {
-			cfg, err := LoadKubeconfig(path)
+			helper, err := podget.HelperPath()
 			if err != nil {
 				return nil, err
 			}
-			return NewPodClient(cfg), nil
+			return &podget.Getter{Helper: helper, Kubeconfig: path}, nil
 		},
 	}
 }
@@ -300,9 +304,7 @@ func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*podspec.Pod, e
 	}
 	getter, err := p.NewPodGetter(inv.cfg.Kubeconfig)
 	if err != nil {
-		return nil, types.NewError(types.ErrTryAgainLater, fmt.Sprintf(
-			"meshcni cannot load its kubeconfig: %v; %s; check that meshcni-agent is running on this node (it writes %s)",
-			err, closed, inv.cfg.Kubeconfig), "")
+		return nil, types.NewError(types.ErrInternal, fmt.Sprintf("meshcni cannot ask the Kubernetes API for pod %s/%s: %v; %s", inv.namespace, inv.name, err, closed), "")
 	}
 	ctx, cancel := context.WithTimeout(ctx, inv.cfg.APITimeout)
 	defer cancel()
@@ -366,7 +368,19 @@ func (inv *invocation) podFromAgent(ctx context.Context) *podspec.Pod {
 
 func apiFailure(inv *invocation, server string, err error, took time.Duration) error {
 	const closed = "meshcni fails closed so the pod is not started unredirected"
-	var ae *APIError
+	var ke *podget.KubeconfigError
+	if errors.As(err, &ke) {
+		return types.NewError(types.ErrTryAgainLater, fmt.Sprintf(
+			"meshcni cannot load its kubeconfig: %v; %s; check that meshcni-agent is running on this node (it writes %s)",
+			ke.Err, closed, inv.cfg.Kubeconfig), "")
+	}
+	var he *podget.HelperError
+	if errors.As(err, &he) {
+		return types.NewError(types.ErrInternal, fmt.Sprintf(
+			"meshcni cannot ask the Kubernetes API for pod %s/%s: %v; %s; check that meshcni-agent is running on this node (it installs %s next to the plugin and answers pod lookups itself)",
+			inv.namespace, inv.name, he, closed, podget.HelperName), "")
+	}
+	var ae *podget.APIError
 	if !errors.As(err, &ae) {
 		return types.NewError(types.ErrInternal, fmt.Sprintf("meshcni cannot get pod %s/%s: %v; %s", inv.namespace, inv.name, err, closed), "")
 	}
@@ -378,7 +392,7 @@ func apiFailure(inv *invocation, server string, err error, took time.Duration) e
 	case ae.Status == 401 || ae.Status == 403:
 		return types.NewError(types.ErrInternal, fmt.Sprintf(
 			"the Kubernetes API at %s refused to let meshcni get pod %s/%s (%d %s: %v); %s; check meshcni-agent's RBAC (it needs get on pods) and that its kubeconfig token is current",
-			server, inv.namespace, inv.name, ae.Status, statusText(ae.Status), ae.Err, closed), "")
+			server, inv.namespace, inv.name, ae.Status, podget.StatusText(ae.Status), ae.Err, closed), "")
 	case ae.Status == 404:
 		return types.NewError(types.ErrInternal, fmt.Sprintf(
 			"pod %s/%s not found in the Kubernetes API at %s (gave up after %s); %s; if it is a static pod, wait for its mirror pod, otherwise it was deleted",
@@ -386,21 +400,7 @@ func apiFailure(inv *invocation, server string, err error, took time.Duration) e
 	}
 	return types.NewError(types.ErrTryAgainLater, fmt.Sprintf(
 		"the Kubernetes API at %s failed to return pod %s/%s (%d %s: %v, gave up after %s); %s",
-		server, inv.namespace, inv.name, ae.Status, statusText(ae.Status), ae.Err, took.Round(time.Millisecond), closed), "")
-}
-
-func statusText(code int) string {
-	switch code {
-	case 401:
-		return "Unauthorized"
-	case 403:
-		return "Forbidden"
-	case 404:
-		return "Not Found"
-	case 429:
-		return "Too Many Requests"
-	}
-	return "error"
+		server, inv.namespace, inv.name, ae.Status, podget.StatusText(ae.Status), ae.Err, took.Round(time.Millisecond), closed), "")
 }
 
 // Del is CNI DEL: remove meshcni's rules if the netns still exists. It needs no

@@ -19,8 +19,10 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/meshcni/meshcni/internal/fakeapi"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/kubeapi"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -88,7 +90,7 @@ func conf(t *testing.T, cniVersion string, runDir string, prev string, extra map
 type harness struct {
 	p      *Plugin
 	eng    *fakeEngine
-	api    *fakeAPI
+	api    *fakeapi.Server
 	runDir string
 	stdout *bytes.Buffer
 	stderr *bytes.Buffer
@@ -96,21 +98,36 @@ type harness struct {
 }
 
 func newHarness(t *testing.T) *harness {
-	h := &harness{eng: &fakeEngine{}, api: newFakeAPI(t, "tok"), runDir: t.TempDir(), stdout: &bytes.Buffer{}, stderr: &bytes.Buffer{}}
-	h.api.kubeconfig(t, h.runDir)
+	h := &harness{eng: &fakeEngine{}, api: fakeapi.New(t, "tok"), runDir: t.TempDir(), stdout: &bytes.Buffer{}, stderr: &bytes.Buffer{}}
+	h.api.Kubeconfig(t, filepath.Join(h.runDir, KubeconfigName))
 	h.p = New()
 	h.p.Engine, h.p.Stdout, h.p.Stderr = h.eng, h.stdout, h.stderr
-	real := h.p.NewPodGetter
+	// In-process: the helper's own code (kubeapi) without its exec, which the
+	// real-API and test-bed tests run.
 	h.p.NewPodGetter = func(path string) (PodGetter, error) {
 		h.gets++
-		g, err := real(path)
-		if c, ok := g.(*PodClient); ok {
-			c.Backoff = 20 * time.Millisecond
-		}
-		return g, err
+		return &inProcessGetter{kubeconfig: path}, nil
 	}
 	return h
 }
+
+// inProcessGetter is the helper's work (kubeapi.Request) in the test process.
+type inProcessGetter struct {
+	kubeconfig string
+	server     string
+}
+
+func (g *inProcessGetter) GetPod(ctx context.Context, namespace, name string) (*podspec.Pod, error) {
+	timeout := 5 * time.Second
+	if d, ok := ctx.Deadline(); ok {
+		timeout = time.Until(d)
+	}
+	r := kubeapi.Request{Kubeconfig: g.kubeconfig, Namespace: namespace, Name: name, Timeout: timeout, Backoff: 20 * time.Millisecond}.Do(ctx)
+	g.server = r.Server
+	return r.Outcome()
+}
+
+func (g *inProcessGetter) Server() string { return g.server }
 
 func cmdArgs(ns, name, uid string, stdin []byte) *skel.CmdArgs {
 	a := fmt.Sprintf("IgnoreUnknown=1;K8S_POD_NAMESPACE=%s;K8S_POD_NAME=%s;K8S_POD_INFRA_CONTAINER_ID=abc", ns, name)
@@ -149,7 +166,7 @@ func TestAddMeshedAppliesAndPassesResultThrough(t *testing.T) {
 	for _, ver := range []string{"0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"} {
 		t.Run(ver, func(t *testing.T) {
 			h := newHarness(t)
-			h.api.addPod(meshed("app", "web", map[string]string{podspec.AnnotationExcludeOutboundPorts: "9999"}))
+			h.api.AddPod(meshed("app", "web", map[string]string{podspec.AnnotationExcludeOutboundPorts: "9999"}))
 			prev := strings.Replace(prevResult100, `"1.0.0"`, `"`+ver+`"`, 1)
 			if strings.HasPrefix(ver, "0.") {
 				prev = strings.Replace(prev, `"interface":0,`, `"version":"4","interface":0,`, 1)
@@ -199,8 +216,8 @@ func TestAddSkipsWithoutTouchingTheAPI(t *testing.T) {
 			t.Fatal("no result printed")
 		}
 	}
-	if h.gets != 0 || h.api.hits.Load() != 0 {
-		t.Fatalf("kubeconfig loaded %d times, API hit %d times", h.gets, h.api.hits.Load())
+	if h.gets != 0 || h.api.Hits() != 0 {
+		t.Fatalf("kubeconfig loaded %d times, API hit %d times", h.gets, h.api.Hits())
 	}
 	if !strings.Contains(h.stderr.String(), "not a Kubernetes pod") || !strings.Contains(h.stderr.String(), "namespace kube-system is excluded") {
 		t.Fatalf("log: %s", h.stderr)
@@ -211,10 +228,10 @@ func TestAddNotMeshed(t *testing.T) {
 	h := newHarness(t)
 	plain := meshed("app", "plain", nil)
 	plain.Spec.Containers = plain.Spec.Containers[:1]
-	h.api.addPod(plain)
+	h.api.AddPod(plain)
 	optout := meshed("app", "optout", nil)
 	optout.Labels = map[string]string{podspec.AnnotationInject: "false"}
-	h.api.addPod(optout)
+	h.api.AddPod(optout)
 	for _, name := range []string{"plain", "optout"} {
 		if err := h.p.Add(cmdArgs("app", name, "", conf(t, "1.0.0", h.runDir, prevResult100, nil))); err != nil {
 			t.Fatal(err)
@@ -237,26 +254,24 @@ func TestAddFailures(t *testing.T) {
 		want  []string
 	}{
 		{"api forbidden", func(h *harness) *skel.CmdArgs {
-			h.api.setStatus(403)
+			h.api.SetStatus(403)
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
 		}, types.ErrInternal, []string{"refused to let meshcni get pod app/web", "403 Forbidden", "cannot get resource", "fails closed", "RBAC"}},
 		{"pod not found", func(h *harness) *skel.CmdArgs {
 			return cmdArgs("app", "ghost", "", conf(t, "1.0.0", h.runDir, prevResult100, map[string]any{"api_timeout": 0.3}))
 		}, types.ErrInternal, []string{"pod app/ghost not found", "fails closed"}},
 		{"uid mismatch", func(h *harness) *skel.CmdArgs {
-			h.api.addPod(meshed("app", "web", nil))
+			h.api.AddPod(meshed("app", "web", nil))
 			return cmdArgs("app", "web", "uid-old", conf(t, "1.0.0", h.runDir, prevResult100, nil))
 		}, types.ErrInternal, []string{"has UID uid-web but the runtime is creating UID uid-old"}},
 		{"wrong pod in the answer", func(h *harness) *skel.CmdArgs {
 			other := meshed("app", "other", nil)
-			h.api.addPod(other)
-			h.api.mu.Lock()
-			h.api.pods["app/web"] = other
-			h.api.mu.Unlock()
+			h.api.AddPod(other)
+			h.api.SetPod("app/web", other)
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
 		}, types.ErrInternal, []string{"answered the GET of pod app/web with pod app/other"}},
 		{"bad annotation", func(h *harness) *skel.CmdArgs {
-			h.api.addPod(meshed("app", "web", map[string]string{podspec.AnnotationIncludeInboundPorts: "80,http"}))
+			h.api.AddPod(meshed("app", "web", map[string]string{podspec.AnnotationIncludeInboundPorts: "80,http"}))
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
 		}, types.ErrInvalidNetworkConfig, []string{`traffic.sidecar.istio.io/includeInboundPorts "80,http"`, "no redirect rule was applied"}},
 		{"missing prevResult", func(h *harness) *skel.CmdArgs {
@@ -266,7 +281,7 @@ func TestAddFailures(t *testing.T) {
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", "/nonexistent/run", prevResult100, nil))
 		}, types.ErrTryAgainLater, []string{"cannot load its kubeconfig", "/nonexistent/run/meshcni-kubeconfig", "meshcni-agent is running"}},
 		{"engine fails", func(h *harness) *skel.CmdArgs {
-			h.api.addPod(meshed("app", "web", nil))
+			h.api.AddPod(meshed("app", "web", nil))
 			h.eng.err = errors.New("nft: boom")
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
 		}, types.ErrInternal, []string{"cannot apply the traffic redirect of pod app/web", "nft: boom", "fails closed"}},
@@ -333,7 +348,7 @@ func TestAddStaticPodMirrorUID(t *testing.T) {
 	h := newHarness(t)
 	p := meshed("kube-public", "static-web", nil)
 	p.Annotations["kubernetes.io/config.mirror"] = "static-uid"
-	h.api.addPod(p)
+	h.api.AddPod(p)
 	if err := h.p.Add(cmdArgs("kube-public", "static-web", "static-uid", conf(t, "1.0.0", h.runDir, prevResult100, nil))); err != nil {
 		t.Fatal(err)
 	}
@@ -370,7 +385,7 @@ func TestDel(t *testing.T) {
 
 func TestCheck(t *testing.T) {
 	h := newHarness(t)
-	h.api.addPod(meshed("app", "web", nil))
+	h.api.AddPod(meshed("app", "web", nil))
 	c := conf(t, "1.0.0", h.runDir, prevResult100, nil)
 	if err := h.p.Check(cmdArgs("app", "web", "", c)); err != nil {
 		t.Fatal(err)
@@ -383,7 +398,7 @@ func TestCheck(t *testing.T) {
 	// Not meshed: nothing to check, whatever the engine says.
 	plain := meshed("app", "plain", nil)
 	plain.Annotations = nil
-	h.api.addPod(plain)
+	h.api.AddPod(plain)
 	if err := h.p.Check(cmdArgs("app", "plain", "", c)); err != nil {
 		t.Fatal(err)
 	}
