@@ -13,15 +13,38 @@ import (
 
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/backend"
+	nftb "github.com/meshcni/meshcni/pkg/backend/nftables"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
+// nftConn opens a lasting nftables netlink socket into the namespace (test
+// helpers write and read tables with the google/nftables library, independent of
+// the engine's own netlink code).
+func nftConn(netns string) (*nftables.Conn, func(), error) {
+	return nftb.Dial(netns)
+}
+
+// probeNs probes the namespace's nftables tables and chains as Clean does.
+func probeNs(t *testing.T, netns string) probe {
+	t.Helper()
+	ss, err := openSession(netns, wantNf, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ss.close()
+	p, err := probeTables(ss.nf, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
 // addForeignTable creates a table (with one regular chain) that is not meshcni's.
 func addForeignTable(t *testing.T, netns string, fam nftables.TableFamily, name, chain string) {
 	t.Helper()
-	conn, closeConn, err := nftConn(netns, nil)
+	conn, closeConn, err := nftConn(netns)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -36,7 +59,7 @@ func addForeignTable(t *testing.T, netns string, fam nftables.TableFamily, name,
 // tableNames lists family/name of every nftables table in the namespace.
 func tableNames(t *testing.T, netns string) []string {
 	t.Helper()
-	conn, closeConn, err := nftConn(netns, nil)
+	conn, closeConn, err := nftConn(netns)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -162,15 +185,7 @@ func TestCleanAutoLeavesForeignIptablesNft(t *testing.T) {
 	testutil.RequireRoot(t)
 	netns := testutil.NewNetns(t)
 	addForeignTable(t, netns, nftables.TableFamilyIPv4, "nat", "FOREIGN")
-	conn, closeConn, err := nftConn(netns, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := probeTables(conn, true)
-	closeConn()
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := probeNs(t, netns)
 	if !p.xtnft || p.xtIstio || p.native {
 		t.Fatalf("probe = %+v, want an iptables-nft table without ISTIO_* chains", p)
 	}
@@ -182,14 +197,8 @@ func TestCleanAutoLeavesForeignIptablesNft(t *testing.T) {
 	}
 	// With an ISTIO_* chain the probe sends Clean to iptables-nft.
 	addForeignTable(t, netns, nftables.TableFamilyIPv4, "nat", "ISTIO_OUTPUT")
-	conn, closeConn, err = nftConn(netns, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err = probeTables(conn, true)
-	closeConn()
-	if err != nil || !p.xtIstio {
-		t.Fatalf("probe = %+v, %v; want an ISTIO_* chain found", p, err)
+	if p := probeNs(t, netns); !p.xtIstio {
+		t.Fatalf("probe = %+v; want an ISTIO_* chain found", p)
 	}
 }
 

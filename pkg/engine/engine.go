@@ -120,23 +120,20 @@ func Clean(ctx context.Context, o Options) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	ss, err := openSession(o.NetnsPath, wantNft|wantRoute|wantLegacy, socks)
+	ss, err := openSession(o.NetnsPath, wantNf|wantRoute|wantLegacy, socks)
 	if err != nil {
 		return err
 	}
 	defer ss.close()
-	p, err := probeTables(ss.nft, true) // on an error listing chains, p.ours is still known
+	p, err := probeTables(ss.nf, true) // on an error listing chains, p.ours is still known
 	if len(p.ours) > 0 {
-		for _, t := range p.ours {
-			ss.nft.DelTable(t)
-		}
-		if ferr := ss.nft.Flush(); ferr != nil {
+		if ferr := deleteTables(ss.nf, p.ours); ferr != nil {
 			err = errors.Join(err, fmt.Errorf("clean %s: delete tables in netns %q: %w", backend.Nftables, o.NetnsPath, ferr))
 		} else {
 			o.log().Debug("nftables tables deleted", "netns", o.NetnsPath, "tables", len(p.ours))
 		}
 	}
-	ss.closeNft()
+	ss.closeNf()
 	if err != nil && len(p.ours) == 0 {
 		return err // its tables could not be read, and none of ours is known
 	}

@@ -1,9 +1,11 @@
 package engine
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -133,43 +135,96 @@ func cleanNetwork(netns string) error {
 // LOOPBACK_IFINDEX).
 const loIndex = 1
 
-// cleanRouting removes, over the rtnetlink handle h, fwmark rules that lead to a
+// cleanRouting removes, over the rtnetlink socket r, fwmark rules that lead to a
 // table whose only job is meshcni's "local default dev lo" route, and that route,
-// and ::6 on lo. One dump lists the rules of both families; routes are listed only
-// for a candidate rule.
-func cleanRouting(h *netlink.Handle) error {
-	var errs []error
-	list, err := h.RuleList(netlink.FAMILY_ALL)
-	if err != nil {
-		list = nil // no rules to read: nothing of ours to remove
+// and ::6 on lo. One dump lists the rules of both families; a family's routes are
+// dumped only when a candidate rule exists. A rule or route is deleted by sending
+// its own dumped message back as the delete (as `ip rule flush` does).
+func cleanRouting(r *nlsock) error {
+	type candidate struct {
+		fam    rules.Family
+		family uint8
+		mark   uint32
+		table  uint32
+		msg    []byte
 	}
-	for _, r := range list {
-		var f rules.Family
-		switch r.Family {
+	var cands []candidate
+	// family AF_UNSPEC: the rules of every family; an error reading them leaves
+	// nothing of ours to find.
+	_ = r.dump(unix.RTM_GETRULE, make([]byte, unix.SizeofRtMsg), func(typ uint16, data []byte) {
+		if typ != unix.RTM_NEWRULE || len(data) < unix.SizeofRtMsg {
+			return
+		}
+		c := candidate{family: data[0], table: uint32(data[4])}
+		switch c.family {
 		case unix.AF_INET:
-			f = rules.V4
+			c.fam = rules.V4
 		case unix.AF_INET6:
-			f = rules.V6
+			c.fam = rules.V6
 		default:
+			return
+		}
+		attrs(data[unix.SizeofRtMsg:], func(typ uint16, val []byte) {
+			if len(val) < 4 {
+				return
+			}
+			switch typ {
+			case unix.FRA_FWMARK:
+				c.mark = binary.NativeEndian.Uint32(val)
+			case unix.FRA_TABLE:
+				c.table = binary.NativeEndian.Uint32(val)
+			}
+		})
+		if c.mark == 0 || c.table == 0 || c.table >= 252 {
+			return
+		}
+		c.msg = slices.Clone(data)
+		cands = append(cands, c)
+	})
+	var errs []error
+	routes := map[uint8]map[uint32][][]byte{} // family → table → its routes' messages
+	for _, c := range cands {
+		byTable, ok := routes[c.family]
+		if !ok {
+			byTable = map[uint32][][]byte{}
+			hdr := make([]byte, unix.SizeofRtMsg)
+			hdr[0] = c.family
+			err := r.dump(unix.RTM_GETROUTE, hdr, func(typ uint16, data []byte) {
+				if typ != unix.RTM_NEWROUTE || len(data) < unix.SizeofRtMsg {
+					return
+				}
+				table := uint32(data[4])
+				attrs(data[unix.SizeofRtMsg:], func(typ uint16, val []byte) {
+					if typ == unix.RTA_TABLE && len(val) >= 4 {
+						table = binary.NativeEndian.Uint32(val)
+					}
+				})
+				byTable[table] = append(byTable[table], slices.Clone(data))
+			})
+			if err != nil {
+				byTable = nil // this family's routes cannot be read: leave its rules
+			}
+			routes[c.family] = byTable
+		}
+		rs := byTable[c.table]
+		// rtmsg: family, dst_len, src_len, tos, table, protocol, scope, type, flags
+		if len(rs) != 1 || rs[0][7] != unix.RTN_LOCAL || rs[0][1] != 0 {
 			continue
 		}
-		if r.Mark == 0 || r.Table <= 0 || r.Table >= 252 {
-			continue
+		if err := r.do(unix.RTM_DELRULE, c.msg); err != nil && !errors.Is(err, unix.ENOENT) {
+			errs = append(errs, fmt.Errorf("delete %s rule fwmark %d lookup %d: %w", c.fam, c.mark, c.table, err))
 		}
-		routes, err := h.RouteListFiltered(r.Family, &netlink.Route{Table: r.Table}, netlink.RT_FILTER_TABLE)
-		if err != nil || len(routes) != 1 || routes[0].Type != unix.RTN_LOCAL || !(routes[0].Dst == nil || isDefault(routes[0].Dst)) {
-			continue
-		}
-		rule := r
-		if err := h.RuleDel(&rule); err != nil && !errors.Is(err, unix.ENOENT) {
-			errs = append(errs, fmt.Errorf("delete %s rule fwmark %d lookup %d: %w", f, r.Mark, r.Table, err))
-		}
-		route := routes[0]
-		if err := h.RouteDel(&route); err != nil && !errors.Is(err, unix.ESRCH) {
-			errs = append(errs, fmt.Errorf("delete %s route table %d: %w", f, r.Table, err))
+		if err := r.do(unix.RTM_DELROUTE, rs[0]); err != nil && !errors.Is(err, unix.ESRCH) {
+			errs = append(errs, fmt.Errorf("delete %s route table %d: %w", c.fam, c.table, err))
 		}
 	}
-	if err := h.AddrDel(nil, &netlink.Addr{IPNet: ipv6Passthrough, LinkIndex: loIndex}); err != nil &&
+	// ifaddrmsg: family, prefixlen, flags, scope, index
+	msg := make([]byte, unix.SizeofIfAddrmsg, unix.SizeofIfAddrmsg+2*(unix.SizeofRtAttr+16))
+	msg[0], msg[1] = unix.AF_INET6, 128
+	binary.NativeEndian.PutUint32(msg[4:8], loIndex)
+	msg = appendAttr(msg, unix.IFA_LOCAL, ipv6Passthrough.IP.To16())
+	msg = appendAttr(msg, unix.IFA_ADDRESS, ipv6Passthrough.IP.To16())
+	if err := r.do(unix.RTM_DELADDR, msg); err != nil &&
 		!errors.Is(err, unix.EADDRNOTAVAIL) && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.EAFNOSUPPORT) && !errors.Is(err, unix.ENODEV) {
 		errs = append(errs, fmt.Errorf("remove ::6 from lo: %w", err))
 	}

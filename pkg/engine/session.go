@@ -5,14 +5,12 @@ import (
 	"fmt"
 	"runtime"
 
-	"github.com/google/nftables"
-	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
 
 // What a session opens or reads while its thread is in the namespace.
 const (
-	wantNft    = 1 << iota // a lasting nftables netlink socket
+	wantNf     = 1 << iota // an nfnetlink socket
 	wantRoute              // an rtnetlink socket
 	wantLegacy             // whether iptables-legacy has tables (/proc)
 )
@@ -24,9 +22,9 @@ const (
 // (netlink I/O from a thread locked into the namespace is slower: every wait on the
 // socket needs a hand-off of the locked thread; see docs/performance.md.)
 type session struct {
-	nft    *nftables.Conn  // wantNft; its socket's duplicate is in socks
-	rt     *netlink.Handle // wantRoute: NETLINK_ROUTE only (never an nfnetlink socket outside socks)
-	legacy bool            // wantLegacy
+	nf     *nlsock // wantNf; its duplicate is in socks
+	rt     *nlsock // wantRoute
+	legacy bool    // wantLegacy
 }
 
 // openSession enters netns ("" = the calling thread's namespace, not left) once
@@ -35,15 +33,15 @@ type session struct {
 func openSession(netns string, want int, socks *sockets) (*session, error) {
 	s := &session{}
 	err := inNetns(netns, func() error {
-		if want&wantNft != 0 {
-			c, err := nftables.New(nftables.AsLasting(), nftables.WithSockOptions(socks.opt()))
+		if want&wantNf != 0 {
+			c, err := openNl(unix.NETLINK_NETFILTER, socks)
 			if err != nil {
 				return fmt.Errorf("netlink in netns %q: %w", netns, err)
 			}
-			s.nft = c
+			s.nf = c
 		}
 		if want&wantRoute != 0 {
-			h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+			h, err := openNl(unix.NETLINK_ROUTE, nil)
 			if err != nil {
 				return fmt.Errorf("rtnetlink in netns %q: %w", netns, err)
 			}
@@ -61,26 +59,25 @@ func openSession(netns string, want int, socks *sockets) (*session, error) {
 	return s, nil
 }
 
-// closeNft closes the nftables socket (its duplicate, if any, stays in socks).
-func (s *session) closeNft() {
-	if s.nft != nil {
-		_ = s.nft.CloseLasting()
-		s.nft = nil
-	}
+// closeNf closes the nfnetlink socket (its duplicate, if any, stays in socks).
+func (s *session) closeNf() {
+	s.nf.close()
+	s.nf = nil
 }
 
 func (s *session) close() {
-	s.closeNft()
-	if s.rt != nil {
-		s.rt.Close()
-		s.rt = nil
-	}
+	s.closeNf()
+	s.rt.close()
+	s.rt = nil
 }
 
-// inNetns runs f on a thread in the namespace at path ("" runs f on the calling
-// goroutine, in its thread's namespace). Like netnsutil.Do, f runs on a goroutine
-// of its own, locked to its thread, which is moved back before it is unlocked; if
-// the move back fails, the thread stays locked and dies with the goroutine.
+// inNetns runs f with the calling goroutine's thread in the namespace at path ("":
+// in its current one), locked to it, and moves the thread back before unlocking
+// it. Unlike netnsutil.Do, f runs on the calling goroutine: starting a goroutine
+// wakes another thread, which in a fresh process costs more than the rest of the
+// entry. If the move back fails (it cannot, short of the kernel refusing to return
+// to a namespace the thread just left), the thread stays locked to the caller, so
+// no other goroutine ever runs in the pod's namespace, and the error says so.
 func inNetns(path string, f func() error) error {
 	if path == "" {
 		return f()
@@ -90,28 +87,21 @@ func inNetns(path string, f func() error) error {
 		return fmt.Errorf("open netns %s: %w", path, err)
 	}
 	defer unix.Close(fd)
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("open the thread's netns: %w", err)
-			return
-		}
-		defer unix.Close(orig)
-		if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
-			runtime.UnlockOSThread() // a failed setns leaves the thread where it was
-			errc <- fmt.Errorf("enter netns %s: %w", path, err)
-			return
-		}
-		ferr := f()
-		if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
-			errc <- errors.Join(ferr, fmt.Errorf("leave netns %s: %w", path, err))
-			return
-		}
+	runtime.LockOSThread()
+	orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
 		runtime.UnlockOSThread()
-		errc <- ferr
-	}()
-	return <-errc
+		return fmt.Errorf("open the thread's netns: %w", err)
+	}
+	defer unix.Close(orig)
+	if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread() // a failed setns leaves the thread where it was
+		return fmt.Errorf("enter netns %s: %w", path, err)
+	}
+	ferr := f()
+	if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
+		return errors.Join(ferr, fmt.Errorf("leave netns %s (the calling goroutine stays locked to its thread): %w", path, err))
+	}
+	runtime.UnlockOSThread()
+	return ferr
 }

@@ -30,12 +30,18 @@ func (s *sockets) opt() nftables.SockOption {
 		if err != nil {
 			return nil // best effort: the socket then closes as usual
 		}
-		_ = rc.Control(func(fd uintptr) {
-			if d, err := unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0); err == nil {
-				s.fds = append(s.fds, d)
-			}
-		})
+		_ = rc.Control(func(fd uintptr) { s.record(int(fd)) })
 		return nil
+	}
+}
+
+// record keeps a duplicate of fd (nil receiver: no-op; best effort, as opt).
+func (s *sockets) record(fd int) {
+	if s == nil {
+		return
+	}
+	if d, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0); err == nil {
+		s.fds = append(s.fds, d)
 	}
 }
 
