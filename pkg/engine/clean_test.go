@@ -3,7 +3,9 @@ package engine
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
+	"slices"
 	"strings"
 	"testing"
 
@@ -209,5 +211,151 @@ func TestCleanGoneNetns(t *testing.T) {
 	err := Clean(context.Background(), Options{NetnsPath: "/run/netns/meshcni-does-not-exist"})
 	if err == nil || !strings.Contains(err.Error(), "/run/netns/meshcni-does-not-exist") || !errors.Is(err, unix.ENOENT) {
 		t.Fatalf("Clean of a missing netns = %v", err)
+	}
+}
+
+// addFwmarkRule adds `ip rule fwmark mark lookup table` and, when local is set,
+// `ip route add local default dev lo table table`, else a unicast route there.
+func addFwmarkRule(t *testing.T, netns string, family int, mark uint32, table int, local bool) {
+	t.Helper()
+	rf := routeFamilies[rules.V4]
+	if family == unix.AF_INET6 {
+		rf = routeFamilies[rules.V6]
+	}
+	err := netnsutil.Do(netns, func() error {
+		r := netlink.NewRule()
+		r.Family, r.Mark, r.Table = family, mark, table
+		if err := netlink.RuleAdd(r); err != nil {
+			return err
+		}
+		route := &netlink.Route{LinkIndex: loIndex, Dst: rf.any, Table: table, Family: family, Type: unix.RTN_LOCAL, Scope: netlink.SCOPE_HOST}
+		if !local {
+			route.Type, route.Scope = unix.RTN_UNREACHABLE, netlink.SCOPE_UNIVERSE
+			route.LinkIndex = 0
+		}
+		return netlink.RouteAdd(route)
+	})
+	if err != nil {
+		t.Fatalf("add fwmark %d rule to table %d: %v", mark, table, err)
+	}
+}
+
+// fwmarkRules lists "family mark table" of the namespace's fwmark rules.
+func fwmarkRules(t *testing.T, netns string) []string {
+	t.Helper()
+	var out []string
+	err := netnsutil.Do(netns, func() error {
+		for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
+			list, err := netlink.RuleList(fam)
+			if err != nil {
+				return err
+			}
+			for _, r := range list {
+				if r.Mark != 0 {
+					out = append(out, fmt.Sprintf("%d %d %d", fam, r.Mark, r.Table))
+				}
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// TestCleanAutoEverything: one namespace holding everything Clean removes at once
+// (meshcni's nftables tables, iptables-legacy rules, iptables-nft rules, the TPROXY
+// policy routing of both families, ::6 on lo) next to what it must keep (a foreign
+// table, fwmark rules whose table is not meshcni's lone local default route): after
+// one Clean (auto), each of meshcni's is gone and each foreign one is there.
+func TestCleanAutoEverything(t *testing.T) {
+	testutil.RequireRoot(t)
+	s := spec.PodDefaults()
+	s.Mode = spec.ModeTProxy
+	s.EnableIPv6 = true
+	for _, tc := range []struct {
+		name  string
+		kinds []backend.Kind // backends that wrote the redirect, in order
+	}{
+		{"nftables+iptables-legacy", []backend.Kind{backend.Nftables, backend.IptablesLegacy}},
+		{"nftables+iptables-nft", []backend.Kind{backend.Nftables, backend.IptablesNft}},
+		{"all three", []backend.Kind{backend.Nftables, backend.IptablesNft, backend.IptablesLegacy}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			netns := testutil.NewNetns(t)
+			ctx := context.Background()
+			addForeignTable(t, netns, nftables.TableFamilyINet, "foreign", "keep")
+			addFwmarkRule(t, netns, unix.AF_INET, 0x77, 177, false)  // not a local route
+			addFwmarkRule(t, netns, unix.AF_INET6, 0x78, 178, false) // not a local route
+			for _, k := range tc.kinds {
+				if _, err := Apply(ctx, Options{Backend: k, NetnsPath: netns}, &s); err != nil {
+					t.Fatalf("apply with %s: %v", k, err)
+				}
+			}
+			// Each Apply adds its own copy of the rule (the kernel takes duplicates).
+			before := fwmarkRules(t, netns)
+			if len(before) != 2+2*len(tc.kinds) || !hasPassthrough(t, netns) {
+				t.Fatalf("after apply: fwmark rules %v, ::6 on lo %v", before, hasPassthrough(t, netns))
+			}
+			if err := Clean(ctx, Options{Backend: backend.Auto, NetnsPath: netns}); err != nil {
+				t.Fatalf("clean: %v", err)
+			}
+			for _, k := range []backend.Kind{backend.Nftables, backend.IptablesNft, backend.IptablesLegacy} {
+				live, err := Live(ctx, Options{Backend: k, NetnsPath: netns})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if txt := live[k]; strings.Contains(strings.ToLower(txt), "istio") {
+					t.Errorf("%s rules left after Clean:\n%s", k, txt)
+				}
+			}
+			if hasPassthrough(t, netns) {
+				t.Error("::6 left on lo")
+			}
+			want := []string{fmt.Sprintf("%d %d %d", unix.AF_INET, 0x77, 177), fmt.Sprintf("%d %d %d", unix.AF_INET6, 0x78, 178)}
+			slices.Sort(want)
+			if got := fwmarkRules(t, netns); !slices.Equal(got, want) {
+				t.Errorf("fwmark rules after Clean = %v, want only the foreign %v", got, want)
+			}
+			if missing, err := checkNetwork(netns, rules.Build(&s)); err != nil || len(missing) != 4 {
+				t.Errorf("policy routing left: only %v missing (%v)", missing, err)
+			}
+			if names := tableNames(t, netns); !slices.Contains(names, "inet foreign") || strings.Contains(strings.Join(names, ","), "istio-proxy") {
+				t.Errorf("tables after Clean: %v", names)
+			}
+			// A second Clean finds nothing and succeeds.
+			if err := Clean(ctx, Options{Backend: backend.Auto, NetnsPath: netns}); err != nil {
+				t.Errorf("second clean: %v", err)
+			}
+		})
+	}
+}
+
+// TestDeleteTablesGone: deleting a table that does not exist fails the batch with
+// ENOENT naming the table, without waiting for answers that never come, and the
+// socket stays usable.
+func TestDeleteTablesGone(t *testing.T) {
+	testutil.RequireRoot(t)
+	netns := testutil.NewNetns(t)
+	addForeignTable(t, netns, nftables.TableFamilyINet, "foreign", "keep")
+	ss, err := openSession(netns, wantNf, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ss.close()
+	err = deleteTables(ss.nf, []nfTable{{unix.NFPROTO_INET, "foreign"}, {unix.NFPROTO_INET, "meshcni-none"}})
+	if !errors.Is(err, unix.ENOENT) || !strings.Contains(err.Error(), "meshcni-none") {
+		t.Fatalf("deleteTables = %v, want ENOENT naming meshcni-none", err)
+	}
+	if names := tableNames(t, netns); !slices.Equal(names, []string{"inet foreign"}) {
+		t.Fatalf("tables after a failed batch: %v, want the foreign one kept (all or nothing)", names)
+	}
+	if err := deleteTables(ss.nf, []nfTable{{unix.NFPROTO_INET, "foreign"}}); err != nil {
+		t.Fatalf("delete on the same socket: %v", err)
+	}
+	if names := tableNames(t, netns); len(names) != 0 {
+		t.Fatalf("tables after delete: %v", names)
 	}
 }
