@@ -1,7 +1,6 @@
 package plugin
 
 import (
-	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -40,6 +39,13 @@ type rawConfig struct {
 	NativeNftables *bool           `json:"native_nftables"`
 	APITimeout     json.RawMessage `json:"api_timeout"`
 	AgentPodLabel  string          `json:"agent_pod_label"`
+
+	// types.PluginConf's fields but the prevResult, kept raw: only ADD and CHECK
+	// decode it (DEL, STATUS and GC neither need it nor fail on it).
+	CNIVersion   string          `json:"cniVersion"`
+	Name         string          `json:"name"`
+	Capabilities map[string]bool `json:"capabilities"`
+	PrevResult   json.RawMessage `json:"prevResult"`
 }
 
 // Config is meshcni's parsed, typed configuration (one CNI invocation's stdin).
@@ -69,16 +75,17 @@ func badField(field string, value any, reason string) *types.Error {
 // malformed document is types.ErrDecodingFailure, a bad value
 // types.ErrInvalidNetworkConfig; either message names the field. The prevResult,
 // when present, is parsed into PrevResult (see RequirePrevResult).
-func ParseConfig(stdin []byte) (*Config, error) {
+func ParseConfig(stdin []byte) (*Config, error) { return parseConfig(stdin, true) }
+
+// parseConfig is ParseConfig; without withPrev the prevResult is neither decoded nor
+// checked (DEL: it must not fail on it, and a DEL is cheaper without).
+func parseConfig(stdin []byte, withPrev bool) (*Config, error) {
 	c := &Config{}
-	if err := json.Unmarshal(stdin, &c.PluginConf); err != nil {
-		return nil, types.NewError(types.ErrDecodingFailure, "meshcni config: "+describeJSONError(err), "")
-	}
 	var raw rawConfig
-	dec := json.NewDecoder(bytes.NewReader(stdin))
-	if err := dec.Decode(&raw); err != nil {
+	if err := json.Unmarshal(stdin, &raw); err != nil {
 		return nil, types.NewError(types.ErrDecodingFailure, "meshcni config: "+describeJSONError(err), "")
 	}
+	c.PluginConf = types.PluginConf{CNIVersion: raw.CNIVersion, Name: raw.Name, Type: raw.Type, Capabilities: raw.Capabilities}
 	if raw.Type != "" && raw.Type != cniconf.PluginType {
 		return nil, badField("type", strconv.Quote(raw.Type), "want \"meshcni\"")
 	}
@@ -153,6 +160,12 @@ func ParseConfig(stdin []byte) (*Config, error) {
 		}
 	}
 
+	if !withPrev || len(raw.PrevResult) == 0 || string(raw.PrevResult) == "null" {
+		return c, nil
+	}
+	if err := json.Unmarshal(raw.PrevResult, &c.RawPrevResult); err != nil {
+		return nil, types.NewError(types.ErrDecodingFailure, "meshcni config: prevResult: "+describeJSONError(err), "")
+	}
 	if err := version.ParsePrevResult(&c.PluginConf); err != nil {
 		return nil, types.NewError(types.ErrDecodingFailure, "meshcni config: prevResult: "+err.Error(), "")
 	}

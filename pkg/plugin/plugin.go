@@ -121,9 +121,9 @@ type invocation struct {
 	start     time.Time
 }
 
-func (p *Plugin) begin(args *skel.CmdArgs) (*invocation, error) {
+func (p *Plugin) begin(args *skel.CmdArgs, withPrev bool) (*invocation, error) {
 	inv := &invocation{args: args, start: time.Now()}
-	cfg, err := ParseConfig(args.StdinData)
+	cfg, err := parseConfig(args.StdinData, withPrev)
 	if err != nil {
 		return nil, err
 	}
@@ -208,7 +208,7 @@ func (p *Plugin) printResult(inv *invocation, r *current.Result) error {
 
 // Add is CNI ADD.
 func (p *Plugin) Add(args *skel.CmdArgs) (err error) {
-	inv, err := p.begin(args)
+	inv, err := p.begin(args, true)
 	if err != nil {
 		return err
 	}
@@ -406,7 +406,7 @@ func apiFailure(inv *invocation, server string, err error, took time.Duration) e
 // Del is CNI DEL: remove meshcni's rules if the netns still exists. It needs no
 // API, and a missing netns is success.
 func (p *Plugin) Del(args *skel.CmdArgs) (err error) {
-	inv, err := p.begin(args)
+	inv, err := p.begin(args, false)
 	if err != nil {
 		return err
 	}
@@ -447,7 +447,7 @@ func netnsExists(path string) bool {
 
 // Check is CNI CHECK: the live rules must equal the desired ones.
 func (p *Plugin) Check(args *skel.CmdArgs) (err error) {
-	inv, err := p.begin(args)
+	inv, err := p.begin(args, true)
 	if err != nil {
 		return err
 	}

@@ -381,6 +381,24 @@ func TestDel(t *testing.T) {
 	if len(h.eng.cleaned) != 1 || h.eng.cleaned[0] != "/proc/self/ns/net" {
 		t.Fatalf("cleaned %v", h.eng.cleaned)
 	}
+	// A prevResult DEL cannot read (the runtime's cache, another version's) does not
+	// stop DEL; ADD with it fails with a message naming it.
+	for _, bad := range []string{`"not an object"`, `{"cniVersion":"1.0.0","ips":"x"}`} {
+		c := conf(t, "1.0.0", "/nonexistent/run", bad, nil)
+		a := cmdArgs("app", "web", "", c)
+		a.Netns = "/proc/self/ns/net"
+		if err := h.p.Del(a); err != nil {
+			t.Errorf("DEL with prevResult %s: %v", bad, err)
+		}
+		err := h.p.Add(cmdArgs("app", "web", "", c))
+		var e *types.Error
+		if !errors.As(err, &e) || e.Code != types.ErrDecodingFailure || !strings.Contains(e.Msg, "prevResult") {
+			t.Errorf("ADD with prevResult %s: %v", bad, err)
+		}
+	}
+	if len(h.eng.cleaned) != 3 {
+		t.Fatalf("cleaned %v", h.eng.cleaned)
+	}
 }
 
 func TestCheck(t *testing.T) {

@@ -33,6 +33,13 @@ func jsonKeys(t reflect.Type, prefix string, out map[string]bool) {
 func TestConfigKeysComplete(t *testing.T) {
 	read := map[string]bool{}
 	jsonKeys(reflect.TypeOf(rawConfig{}), "", read)
+	// The CNI spec's own keys of every plugin configuration are the spec's to document.
+	for _, k := range []string{"cniVersion", "name", "capabilities", "prevResult"} {
+		if !read[k] {
+			t.Errorf("rawConfig no longer reads the CNI key %s", k)
+		}
+		delete(read, k)
+	}
 	documented := map[string]bool{}
 	for _, k := range ConfigKeys {
 		if documented[k.Key] {
