@@ -19,22 +19,31 @@ import (
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
-// coldCleanEnv names the namespace a child test binary cleans (see TestMain).
-const coldCleanEnv = "MESHCNI_ENGINE_COLD_CLEAN_NETNS"
+// coldCleanEnv names the namespace a child test binary cleans (see TestMain);
+// coldApplyEnv one it applies the pod defaults to.
+const (
+	coldCleanEnv = "MESHCNI_ENGINE_COLD_CLEAN_NETNS"
+	coldApplyEnv = "MESHCNI_ENGINE_COLD_APPLY_NETNS"
+)
 
-// TestMain lets BenchmarkCleanCold run Clean in a fresh process: the test binary,
-// started with coldCleanEnv set, only runs coldClean.
+// TestMain lets BenchmarkCleanCold and BenchmarkApplyCold run the engine in a fresh
+// process: the test binary, started with coldCleanEnv (coldApplyEnv) set, only runs
+// coldOp.
 func TestMain(m *testing.M) {
 	if path := os.Getenv(coldCleanEnv); path != "" {
-		os.Exit(coldClean(path))
+		os.Exit(coldOp(path, false))
+	}
+	if path := os.Getenv(coldApplyEnv); path != "" {
+		os.Exit(coldOp(path, true))
 	}
 	os.Exit(m.Run())
 }
 
-// coldClean runs one engine.Clean (backend auto, sockets handed off as the plugin
-// does) in this fresh process and prints its duration in nanoseconds. The handed-off
-// copies stay open until the process exits, after the measurement.
-func coldClean(path string) int {
+// coldOp runs one engine.Clean, or engine.Apply of the pod defaults (backend auto,
+// sockets handed off as the plugin does) in this fresh process and prints its
+// duration in nanoseconds. The handed-off copies stay open until the process
+// exits, after the measurement.
+func coldOp(path string, apply bool) int {
 	var held []int
 	o := engine.Options{Backend: backend.Auto, NetnsPath: path, HandOff: func(fds ...int) error {
 		for _, fd := range fds {
@@ -46,8 +55,14 @@ func coldClean(path string) int {
 		}
 		return nil
 	}}
+	s := spec.PodDefaults()
+	var err error
 	t0 := time.Now()
-	err := engine.Clean(context.Background(), o)
+	if apply {
+		_, err = engine.Apply(context.Background(), o, &s)
+	} else {
+		err = engine.Clean(context.Background(), o)
+	}
 	d := time.Since(t0)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -117,4 +132,49 @@ func BenchmarkCleanCold(b *testing.B) {
 			b.ReportMetric(float64(ds[len(ds)/2].Microseconds())/1000, "clean-p50-ms")
 		})
 	}
+}
+
+// BenchmarkApplyCold measures engine.Apply (backend auto, pod defaults: IPv4
+// REDIRECT) as the CNI plugin's ADD runs it: once, in a fresh process, into a fresh
+// namespace. Reported: apply-ms (mean) and apply-p50-ms, timed in the child.
+func BenchmarkApplyCold(b *testing.B) {
+	testutil.RequireRoot(b)
+	self, err := os.Executable()
+	if err != nil {
+		b.Fatal(err)
+	}
+	var ds []time.Duration
+	for i := 0; b.Loop(); i++ {
+		b.StopTimer()
+		path, err := testutil.CreateNetns(fmt.Sprintf("mcni-coldapply-%d-%d", os.Getpid(), i))
+		if err != nil {
+			b.Fatal(err)
+		}
+		cmd := exec.Command(self)
+		cmd.Env = append(os.Environ(), coldApplyEnv+"="+path)
+		var out, errb bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &errb
+		b.StartTimer()
+		err = cmd.Run()
+		b.StopTimer()
+		if err != nil {
+			b.Fatalf("cold apply: %v: %s", err, errb.Bytes())
+		}
+		ns, err := strconv.ParseInt(string(bytes.TrimSpace(out.Bytes())), 10, 64)
+		if err != nil {
+			b.Fatalf("cold apply output %q: %v", out.Bytes(), err)
+		}
+		ds = append(ds, time.Duration(ns))
+		if err := testutil.DeleteNetns(path); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+	}
+	var sum time.Duration
+	for _, d := range ds {
+		sum += d
+	}
+	slices.Sort(ds)
+	b.ReportMetric(float64(sum.Microseconds())/1000/float64(len(ds)), "apply-ms")
+	b.ReportMetric(float64(ds[len(ds)/2].Microseconds())/1000, "apply-p50-ms")
 }
