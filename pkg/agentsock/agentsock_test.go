@@ -24,10 +24,14 @@ type collected struct {
 }
 
 func startServer(t *testing.T, onReq func(context.Context, *Request) (json.RawMessage, error)) (string, *collected, context.CancelFunc, chan error) {
+	return startServerWith(t, onReq, 50*time.Millisecond)
+}
+
+func startServerWith(t *testing.T, onReq func(context.Context, *Request) (json.RawMessage, error), linger time.Duration) (string, *collected, context.CancelFunc, chan error) {
 	t.Helper()
 	dir := t.TempDir()
 	c := &collected{logs: make(chan *LogRecord, 100), cmds: make(chan *CommandResult, 100)}
-	s := &Server{Path: Path(dir), OnLog: func(r *LogRecord) { c.logs <- r }, OnCommand: func(r *CommandResult) { c.cmds <- r }, OnRequest: onReq}
+	s := &Server{Path: Path(dir), OnLog: func(r *LogRecord) { c.logs <- r }, OnCommand: func(r *CommandResult) { c.cmds <- r }, OnRequest: onReq, Linger: linger}
 	ctx, cancel := context.WithCancel(context.Background())
 	l, err := Listen(s.Path)
 	if err != nil {
@@ -446,6 +450,49 @@ func TestReleaseBound(t *testing.T) {
 		if !hup {
 			t.Fatalf("pipe %d still held after the connection ended", i)
 		}
+	}
+}
+
+// TestReleaseLinger: released descriptors outlive their connection by Linger (so
+// their close, which may wait for an RCU grace period holding the pod netns's nftables
+// lock, happens after the grace period), then are closed; Linger < 0 closes at once.
+func TestReleaseLinger(t *testing.T) {
+	for _, tc := range []struct {
+		linger   time.Duration
+		heldLate bool // still held 200 ms after the connection ended
+	}{{3 * time.Second, true}, {-1, false}} {
+		t.Run(tc.linger.String(), func(t *testing.T) {
+			dir, got, _, _ := startServerWith(t, nil, tc.linger)
+			c, err := Dial(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			rs, ws := pipes(t, 2)
+			if err := c.Release(ws...); err != nil {
+				t.Fatal(err)
+			}
+			for _, fd := range ws {
+				unix.Close(fd)
+			}
+			if err := c.ReportCommand(CommandAdd, ResultSuccess, time.Millisecond, Pod{Namespace: "ns", Name: "p"}, nil); err != nil {
+				t.Fatal(err)
+			}
+			recv(t, got.cmds)
+			c.Close()
+			time.Sleep(200 * time.Millisecond)
+			if tc.heldLate {
+				for i, hup := range hungUp(t, rs, 0) {
+					if hup {
+						t.Fatalf("pipe %d closed within 200 ms of the connection's end; linger %v", i, tc.linger)
+					}
+				}
+			}
+			for i, hup := range hungUp(t, rs, tc.linger+5*time.Second) {
+				if !hup {
+					t.Fatalf("pipe %d still held %v after the connection ended", i, tc.linger+5*time.Second)
+				}
+			}
+		})
 	}
 }
 

@@ -9,9 +9,9 @@
 // with an error, so a newer plugin can talk to an older agent.
 //
 // A "release" message carries file descriptors (SCM_RIGHTS) and nothing to answer: the
-// agent holds them (at most MaxHeldFDs per connection) until the connection ends, then
-// closes them, so that its close is the last one (the plugin closes its copies before
-// the connection). The plugin hands over its nftables netlink sockets this way,
+// agent holds them (at most MaxHeldFDs per connection) until the connection ends, and
+// closes them Server.Linger (1 s) later, so that its close is the last one (the plugin
+// closes its copies before the connection) and comes after the kernel's grace period. The plugin hands over its nftables netlink sockets this way,
 // because the kernel makes the last close of such a socket wait for an RCU grace
 // period (several milliseconds) after nftables objects were deleted, which a CNI
 // command need not wait for.

@@ -31,6 +31,96 @@ type Server struct {
 	OnRequest func(ctx context.Context, req *Request) (json.RawMessage, error)
 	// Logger for connection errors (default slog.Default()).
 	Logger *slog.Logger
+	// Linger is how long released descriptors are kept after their connection ends
+	// (0: DefaultLinger; negative: closed at once). See lingerer.
+	Linger time.Duration
+
+	lingerOnce sync.Once
+	lingering  *lingerer
+}
+
+// DefaultLinger is Server.Linger's default: far longer than an RCU grace period
+// (5–15 ms on a 2-vCPU machine, more under load), short enough to hold few sockets.
+const DefaultLinger = time.Second
+
+// MaxLingering bounds the descriptors kept after their connections ended; past it,
+// they are closed at once.
+const MaxLingering = 4096
+
+// lingerer closes released descriptors some time after their connection ended, not at
+// once. Why: the last close of an nfnetlink socket, while the kernel still has
+// nftables objects to free after an RCU grace period (anyone's: the list is global),
+// waits for that grace period holding the nftables commit lock of the socket's
+// network namespace, the pod's. Closed as soon as the plugin's ADD ends, the
+// sockets of that ADD would make a DEL in the same pod right after it (a sandbox torn
+// down at once, or a benchmark) wait out the rest of the ADD's grace period: measured
+// 2 ms at p50 in the CNI chain, 10 ms in a tight loop. A second later the grace
+// period is over and the close costs nothing.
+type lingerer struct {
+	mu     sync.Mutex
+	n      int
+	timers map[*time.Timer][]int
+}
+
+// add closes fds after d (at once when d < 0 or past MaxLingering).
+func (l *lingerer) add(fds []int, d time.Duration) {
+	if len(fds) == 0 {
+		return
+	}
+	l.mu.Lock()
+	if d < 0 || l.n+len(fds) > MaxLingering {
+		l.mu.Unlock()
+		closeFDs(fds)
+		return
+	}
+	if l.timers == nil {
+		l.timers = map[*time.Timer][]int{}
+	}
+	l.n += len(fds)
+	var t *time.Timer
+	t = time.AfterFunc(d, func() {
+		l.mu.Lock()
+		fds, ok := l.timers[t]
+		delete(l.timers, t)
+		l.n -= len(fds)
+		l.mu.Unlock()
+		if ok {
+			closeFDs(fds)
+		}
+	})
+	l.timers[t] = fds
+	l.mu.Unlock()
+}
+
+// closeAll closes every lingering descriptor now (the server stops).
+func (l *lingerer) closeAll() {
+	l.mu.Lock()
+	var all []int
+	for t, fds := range l.timers {
+		t.Stop()
+		all = append(all, fds...)
+	}
+	l.timers, l.n = nil, 0
+	l.mu.Unlock()
+	closeFDs(all)
+}
+
+func closeFDs(fds []int) {
+	for _, fd := range fds {
+		syscall.Close(fd)
+	}
+}
+
+func (s *Server) linger() *lingerer {
+	s.lingerOnce.Do(func() { s.lingering = &lingerer{} })
+	return s.lingering
+}
+
+func (s *Server) lingerFor() time.Duration {
+	if s.Linger == 0 {
+		return DefaultLinger
+	}
+	return s.Linger
 }
 
 // ErrUnsupported answers a request type the agent does not know.
@@ -136,6 +226,7 @@ func (s *Server) ServeListener(ctx context.Context, l *net.UnixListener) error {
 			}
 			mu.Unlock()
 			wg.Wait()
+			s.linger().closeAll() // every connection has ended: no descriptor is added after
 			if ctx.Err() != nil {
 				return nil
 			}
@@ -211,19 +302,18 @@ func (r *fdHolder) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// closeHeld closes the held descriptors (the connection has ended).
-func (r *fdHolder) closeHeld() {
-	for _, fd := range r.held {
-		syscall.Close(fd)
-	}
+// take returns the held descriptors and forgets them (the connection has ended).
+func (r *fdHolder) take() []int {
+	fds := r.held
 	r.held = nil
+	return fds
 }
 
 func (s *Server) serveConn(ctx context.Context, conn net.Conn, log *slog.Logger) {
 	var rd io.Reader = conn
 	if uc, ok := conn.(*net.UnixConn); ok {
 		h := &fdHolder{c: uc, oob: make([]byte, syscall.CmsgSpace(MaxHeldFDs*4)), log: log}
-		defer h.closeHeld()
+		defer func() { s.linger().add(h.take(), s.lingerFor()) }()
 		rd = h
 	}
 	sc := bufio.NewScanner(rd)
