@@ -496,6 +496,65 @@ func TestReleaseLinger(t *testing.T) {
 	}
 }
 
+// TestServerBounds: past MaxConns a new connection is closed at once (the ones
+// served are untouched), and a connection idle past IdleTimeout is closed.
+func TestServerBounds(t *testing.T) {
+	dir := t.TempDir()
+	s := &Server{Path: Path(dir), MaxConns: 3, IdleTimeout: 300 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Serve(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	dial := func() net.Conn {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+			c, err := net.Dial("unix", Path(dir))
+			if err == nil {
+				t.Cleanup(func() { c.Close() })
+				return c
+			}
+			if time.Now().After(deadline) {
+				t.Fatal(err)
+			}
+		}
+	}
+	// closedWithin reports whether the server closed c within d.
+	closedWithin := func(c net.Conn, d time.Duration) bool {
+		_ = c.SetReadDeadline(time.Now().Add(d))
+		_, err := c.Read(make([]byte, 1))
+		return errors.Is(err, io.EOF)
+	}
+	var served []net.Conn
+	for range 3 {
+		c := dial()
+		served = append(served, c)
+		// A log line keeps it busy (not idle) and proves it is served.
+		if _, err := c.Write([]byte(`{"v":1,"kind":"log","log":{"level":"INFO","msg":"x"}}` + "\n")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(50 * time.Millisecond) // the server has accepted the three
+	if extra := dial(); !closedWithin(extra, 2*time.Second) {
+		t.Fatal("a connection past MaxConns was not closed")
+	}
+	for i, c := range served {
+		if closedWithin(c, 50*time.Millisecond) {
+			t.Fatalf("served connection %d closed by the refusal of another", i)
+		}
+	}
+	// Idle: each is closed about IdleTimeout after its last message.
+	for i, c := range served {
+		if !closedWithin(c, 5*time.Second) {
+			t.Fatalf("connection %d idle past IdleTimeout still open", i)
+		}
+	}
+	// Room again: a new connection is served.
+	c := dial()
+	if closedWithin(c, 100*time.Millisecond) {
+		t.Fatal("a connection after the others ended was refused")
+	}
+}
+
 // TestReleaseClosedOnShutdown: when the agent stops, it closes the descriptors of the
 // connections still open.
 func TestReleaseClosedOnShutdown(t *testing.T) {

@@ -34,10 +34,25 @@ type Server struct {
 	// Linger is how long released descriptors are kept after their connection ends
 	// (0: DefaultLinger; negative: closed at once). See lingerer.
 	Linger time.Duration
+	// MaxConns bounds the connections served at once (0: DefaultMaxConns); past it a
+	// new connection is closed at once (the plugin then works without the agent).
+	MaxConns int
+	// IdleTimeout closes a connection that sends nothing for this long (0:
+	// DefaultIdleTimeout); a response not written within ResponseTimeout closes it too.
+	IdleTimeout time.Duration
 
 	lingerOnce sync.Once
 	lingering  *lingerer
 }
+
+// Defaults of Server.MaxConns and Server.IdleTimeout, and the bound on writing one
+// response. A plugin holds its connection for one CNI command: at most api_timeout
+// (≤ 5 min) plus the rules' work.
+const (
+	DefaultMaxConns    = 512
+	DefaultIdleTimeout = 10 * time.Minute
+	ResponseTimeout    = 5 * time.Second
+)
 
 // DefaultLinger is Server.Linger's default: far longer than an RCU grace period
 // (5–15 ms on a 2-vCPU machine, more under load), short enough to hold few sockets.
@@ -204,6 +219,11 @@ func (s *Server) ServeListener(ctx context.Context, l *net.UnixListener) error {
 			}
 		}
 	}()
+	maxConns := s.MaxConns
+	if maxConns <= 0 {
+		maxConns = DefaultMaxConns
+	}
+	var lastFullLog time.Time
 	backoff := time.Duration(0)
 	for {
 		conn, err := l.Accept()
@@ -233,8 +253,19 @@ func (s *Server) ServeListener(ctx context.Context, l *net.UnixListener) error {
 			return fmt.Errorf("accept on agent socket: %w", err)
 		}
 		mu.Lock()
-		conns[conn] = struct{}{}
+		full := len(conns) >= maxConns
+		if !full {
+			conns[conn] = struct{}{}
+		}
 		mu.Unlock()
+		if full {
+			conn.Close()
+			if time.Since(lastFullLog) > time.Minute {
+				lastFullLog = time.Now()
+				log.Warn("agent socket: too many connections, refusing new ones until some end", "max", maxConns)
+			}
+			continue
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -272,9 +303,11 @@ type fdHolder struct {
 	oob  []byte
 	held []int
 	log  *slog.Logger
+	idle time.Duration
 }
 
 func (r *fdHolder) Read(p []byte) (int, error) {
+	_ = r.c.SetReadDeadline(time.Now().Add(r.idle))
 	n, oobn, _, _, err := r.c.ReadMsgUnix(p, r.oob)
 	if oobn > 0 {
 		msgs, perr := syscall.ParseSocketControlMessage(r.oob[:oobn])
@@ -312,7 +345,11 @@ func (r *fdHolder) take() []int {
 func (s *Server) serveConn(ctx context.Context, conn net.Conn, log *slog.Logger) {
 	var rd io.Reader = conn
 	if uc, ok := conn.(*net.UnixConn); ok {
-		h := &fdHolder{c: uc, oob: make([]byte, syscall.CmsgSpace(MaxHeldFDs*4)), log: log}
+		idle := s.IdleTimeout
+		if idle <= 0 {
+			idle = DefaultIdleTimeout
+		}
+		h := &fdHolder{c: uc, oob: make([]byte, syscall.CmsgSpace(MaxHeldFDs*4)), log: log, idle: idle}
 		defer func() { s.linger().add(h.take(), s.lingerFor()) }()
 		rd = h
 	}
@@ -353,6 +390,7 @@ func (s *Server) serveConn(ctx context.Context, conn net.Conn, log *slog.Logger)
 				log.Warn("agent socket: encode response", "err", err)
 				return
 			}
+			_ = conn.SetWriteDeadline(time.Now().Add(ResponseTimeout))
 			w.Write(append(line, '\n'))
 			if err := w.Flush(); err != nil {
 				return
@@ -361,7 +399,11 @@ func (s *Server) serveConn(ctx context.Context, conn net.Conn, log *slog.Logger)
 			log.Debug("agent socket: ignored message", "kind", m.Kind, "v", m.V)
 		}
 	}
-	if err := sc.Err(); err != nil && ctx.Err() == nil && !errors.Is(err, net.ErrClosed) {
+	switch err := sc.Err(); {
+	case err == nil, ctx.Err() != nil, errors.Is(err, net.ErrClosed):
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		log.Warn("agent socket: closing a connection idle for too long", "idle", s.IdleTimeout)
+	default:
 		log.Warn("agent socket: read", "err", err)
 	}
 }
