@@ -185,11 +185,11 @@ func appendMsg(b []byte, typ, flags uint16, seq uint32, body []byte) []byte {
 }
 
 // acks reads, after a batch whose messages first..last were sent, the
-// acknowledgements of the messages in want (by sequence number) and returns their
-// errors keyed by sequence number; an error answering first (the batch's begin)
-// refuses the whole batch and is returned as err. The kernel answers a batch while
-// it is sent, so once one answer has arrived, an empty socket means there are no
-// more: a batch the kernel cut short never hangs here.
+// acknowledgements of the want messages that asked for one and returns their
+// errors keyed by sequence number; an error answering the batch's begin (first) or
+// end (last) refuses the whole batch and is returned as err. nfnetlink processes a
+// batch inside the send, so every answer is queued when it returns: the socket is
+// read without waiting, and a missing answer is an error, never a hang.
 func (r *nlsock) acks(first, last uint32, want int) (errs map[uint32]error, err error) {
 	if r.buf == nil {
 		r.buf = make([]byte, nlBufSize)
@@ -197,16 +197,15 @@ func (r *nlsock) acks(first, last uint32, want int) (errs map[uint32]error, err 
 	errs = map[uint32]error{}
 	got := 0
 	for got < want {
-		flags := unix.MSG_TRUNC
-		if got > 0 {
-			flags |= unix.MSG_DONTWAIT
-		}
-		n, _, err := unix.Recvfrom(r.fd, r.buf, flags)
+		n, _, err := unix.Recvfrom(r.fd, r.buf, unix.MSG_TRUNC|unix.MSG_DONTWAIT)
 		if err == unix.EINTR {
 			continue
 		}
 		if err == unix.EAGAIN {
-			return errs, nil
+			if len(errs) > 0 {
+				return errs, nil
+			}
+			return errs, fmt.Errorf("nftables batch: %d of %d commands unanswered", want-got, want)
 		}
 		if err != nil {
 			return errs, os.NewSyscallError("recvfrom", err)
@@ -228,7 +227,7 @@ func (r *nlsock) acks(first, last uint32, want int) (errs map[uint32]error, err 
 				continue
 			}
 			e := int32(binary.NativeEndian.Uint32(data[0:4]))
-			if seq == first {
+			if seq == first || seq == last {
 				if e != 0 {
 					return errs, unix.Errno(-e)
 				}
