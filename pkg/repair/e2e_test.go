@@ -34,6 +34,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/ociimage"
+	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
@@ -84,7 +85,7 @@ func setup(t *testing.T, tb *testbed.Testbed) string {
 		if binDir, buildErr = os.MkdirTemp("", "meshcni-repair-e2e-"); buildErr != nil {
 			return
 		}
-		for name, pkg := range map[string]string{"meshcni": "./cmd/meshcni", "meshcnictl": "./cmd/meshcnictl", "meshcni-proxysim": "./cmd/meshcni-proxysim"} {
+		for name, pkg := range map[string]string{"meshcni": "./cmd/meshcni", podget.HelperName: "./cmd/meshcni-podget", "meshcnictl": "./cmd/meshcnictl", "meshcni-proxysim": "./cmd/meshcni-proxysim"} {
 			if buildErr = ociimage.GoBinary(ctx, root, pkg, filepath.Join(binDir, name)); buildErr != nil {
 				return
 			}
