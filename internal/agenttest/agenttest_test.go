@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/meshcni/meshcni/pkg/podget"
 )
 
 func TestMain(m *testing.M) {
@@ -124,6 +126,18 @@ func TestNotReadyUntilBinary(t *testing.T) {
 	}
 	if b, _ := os.ReadFile(filepath.Join(conf, "10-k8s.conflist")); string(b) != primary {
 		t.Fatalf("configuration touched before the binary is in place:\n%s", b)
+	}
+	// The plugin's API helper first: without it the agent installs nothing either.
+	helper, err := os.ReadFile(filepath.Join(Binaries(t), podget.HelperName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(filepath.Dir(src), podget.HelperName), helper, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond) // a resync (200 ms) passes: still not ready, the plugin is missing
+	if ok, body, err := a.Ready(); err != nil || ok || !strings.Contains(body, "plugin binary source") {
+		t.Fatalf("ready %v (%v): %s; want 503 naming the plugin binary", ok, err, body)
 	}
 	plugin, err := os.ReadFile(filepath.Join(Binaries(t), PluginBinary))
 	if err != nil {

@@ -11,6 +11,7 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"errors"
+	"fmt"
 	"io/fs"
 	"log/slog"
 	"maps"
@@ -591,6 +592,53 @@ func TestTokenRotationRewritesKubeconfig(t *testing.T) {
 	// Someone deletes the kubeconfig: it comes back.
 	os.Remove(kc)
 	eventually(t, 2*time.Second, "kubeconfig restored", r.a.Guard.Kubeconfig.Check)
+}
+
+// TestBinaryAndHelperRestored: the plugin binary and its API helper are guarded
+// alike: removed, or replaced by a symlink, either is reinstalled on the file event,
+// long before the resync.
+func TestBinaryAndHelperRestored(t *testing.T) {
+	e := newEnv(t)
+	if err := fileutil.WriteFileAtomic(filepath.Join(e.confDir, "10-calico.conflist"), []byte(calico), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	r := startAgent(t, e.args("--resync", "10m"), inClusterEnv)
+	eventually(t, 5*time.Second, "ready", r.a.Guard.Ready)
+	// Let the events of the agent's own first install pass (debounce 2 ms), so that
+	// only the damage below can trigger a reinstall.
+	time.Sleep(300 * time.Millisecond)
+	helper := filepath.Join(e.binDir, podget.HelperName)
+	plugin := filepath.Join(e.binDir, "meshcni")
+	for _, tc := range []struct {
+		name   string
+		damage func() error
+	}{
+		{"helper removed", func() error { return os.Remove(helper) }},
+		{"plugin removed", func() error { return os.Remove(plugin) }},
+		{"helper replaced by a symlink to the same content", func() error {
+			tmp := helper + ".link"
+			if err := os.Symlink(filepath.Join(filepath.Dir(e.pluginSrc), podget.HelperName), tmp); err != nil {
+				return err
+			}
+			return os.Rename(tmp, helper)
+		}},
+	} {
+		if err := tc.damage(); err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		eventually(t, 3*time.Second, tc.name+": reinstalled", func() error {
+			for _, p := range []string{helper, plugin} {
+				fi, err := os.Lstat(p)
+				if err != nil {
+					return err
+				}
+				if !fi.Mode().IsRegular() {
+					return fmt.Errorf("%s is %v", p, fi.Mode().Type())
+				}
+			}
+			return r.a.Guard.Binary.Check()
+		})
+	}
 }
 
 func counterValue(t testing.TB, c prometheus.Collector) float64 {

@@ -99,7 +99,7 @@ func (g *Guard) Ready() error {
 type watchSet struct {
 	w       *fsnotify.Watcher
 	dirs    map[string]bool // watched (true) or still missing (false)
-	binDst  string
+	binDsts map[string]bool // the plugin binary and its companions
 	kubeDst string
 	confDir string
 	kubeSrc map[string]bool
@@ -136,7 +136,7 @@ func (ws *watchSet) classify(ev fsnotify.Event) part {
 			p |= partConf
 		}
 	}
-	if ev.Name == ws.binDst {
+	if ws.binDsts[ev.Name] {
 		p |= partBinary
 	}
 	if ev.Name == ws.kubeDst || ws.kubeSrc[dir] {
@@ -160,12 +160,15 @@ func (g *Guard) Run(ctx context.Context) error {
 	ws := &watchSet{
 		w:       w,
 		dirs:    map[string]bool{},
-		binDst:  g.Binary.Dst,
+		binDsts: map[string]bool{},
 		kubeDst: g.Kubeconfig.Path,
 		confDir: filepath.Clean(g.Conf.Dir),
 		kubeSrc: map[string]bool{},
 	}
-	for _, d := range append([]string{ws.confDir, filepath.Dir(ws.binDst), filepath.Dir(ws.kubeDst)}, g.Kubeconfig.Source.WatchDirs()...) {
+	for _, d := range g.Binary.Dsts() {
+		ws.binDsts[d] = true
+	}
+	for _, d := range append([]string{ws.confDir, filepath.Dir(g.Binary.Dst), filepath.Dir(ws.kubeDst)}, g.Kubeconfig.Source.WatchDirs()...) {
 		ws.dirs[filepath.Clean(d)] = false
 	}
 	for _, d := range g.Kubeconfig.Source.WatchDirs() {

@@ -93,6 +93,15 @@ func (b *Binary) files() []file {
 	return append(out, file{b.Src, b.Dst, "plugin binary"})
 }
 
+// Dsts lists the installed paths: the companions', then Dst.
+func (b *Binary) Dsts() []string {
+	var out []string
+	for _, f := range b.files() {
+		out = append(out, f.dst)
+	}
+	return out
+}
+
 // Install copies Src to Dst (mode 0755, temp file + rename), after its companions,
 // unless each destination already holds the same content. It reports whether it
 // wrote.
@@ -161,9 +170,12 @@ func (b *Binary) check(f file) error {
 	if err != nil {
 		return fmt.Errorf("%s source: %w", f.what, err)
 	}
-	fi, err := os.Stat(f.dst)
+	fi, err := os.Lstat(f.dst)
 	if err != nil {
 		return fmt.Errorf("installed %s: %w", f.what, err)
+	}
+	if !fi.Mode().IsRegular() {
+		return fmt.Errorf("installed %s %s is not a regular file (%v): %w", f.what, f.dst, fi.Mode().Type(), ErrDiffers)
 	}
 	if fi.Mode().Perm()&0o111 == 0 {
 		return fmt.Errorf("installed %s %s is not executable (%v): %w", f.what, f.dst, fi.Mode().Perm(), ErrDiffers)
