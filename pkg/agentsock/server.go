@@ -344,11 +344,11 @@ func (r *fdHolder) take() []int {
 
 func (s *Server) serveConn(ctx context.Context, conn net.Conn, log *slog.Logger) {
 	var rd io.Reader = conn
+	idle := s.IdleTimeout
+	if idle <= 0 {
+		idle = DefaultIdleTimeout
+	}
 	if uc, ok := conn.(*net.UnixConn); ok {
-		idle := s.IdleTimeout
-		if idle <= 0 {
-			idle = DefaultIdleTimeout
-		}
 		h := &fdHolder{c: uc, oob: make([]byte, syscall.CmsgSpace(MaxHeldFDs*4)), log: log, idle: idle}
 		defer func() { s.linger().add(h.take(), s.lingerFor()) }()
 		rd = h
@@ -402,7 +402,7 @@ func (s *Server) serveConn(ctx context.Context, conn net.Conn, log *slog.Logger)
 	switch err := sc.Err(); {
 	case err == nil, ctx.Err() != nil, errors.Is(err, net.ErrClosed):
 	case errors.Is(err, os.ErrDeadlineExceeded):
-		log.Warn("agent socket: closing a connection idle for too long", "idle", s.IdleTimeout)
+		log.Warn("agent socket: closing a connection idle for too long", "idle", idle)
 	default:
 		log.Warn("agent socket: read", "err", err)
 	}

@@ -10,16 +10,14 @@ import (
 	"time"
 
 	"github.com/meshcni/meshcni/pkg/podget"
+	"github.com/meshcni/meshcni/pkg/podspec"
 )
-
-// MaxTimeout bounds the helper's --timeout (the plugin's api_timeout has the same
-// bound).
-const MaxTimeout = 5 * time.Minute
 
 // HelperMain is meshcni-podget: it GETs one pod (retrying within --timeout) and writes
 // one podget.Result as JSON to stdout. It returns the exit status: 0 with the pod, 1
-// on failure (the Result says why), 2 on a usage error. It never reads its
-// environment: the plugin runs it with an empty one and every input as a flag.
+// on failure (the Result says why), 2 on a usage error. It takes every input as a
+// flag (the plugin runs it with an empty environment); getenv is read only for
+// CNI_COMMAND, to answer a runtime that runs it as a plugin by mistake.
 func HelperMain(args []string, stdout, stderr io.Writer, getenv func(string) string) int {
 	if getenv("CNI_COMMAND") != "" {
 		// Configured as a plugin by mistake: answer in CNI's error format.
@@ -55,8 +53,8 @@ func HelperMain(args []string, stdout, stderr io.Writer, getenv func(string) str
 		return usage(stdout, errors.New("--kubeconfig is required"))
 	case *namespace == "" || *name == "":
 		return usage(stdout, errors.New("--namespace and --name are required"))
-	case *timeout <= 0 || *timeout > MaxTimeout:
-		return usage(stdout, fmt.Errorf("--timeout %s: want more than 0 and at most %s", *timeout, MaxTimeout))
+	case *timeout <= 0 || *timeout > podget.MaxTimeout:
+		return usage(stdout, fmt.Errorf("--timeout %s: want more than 0 and at most %s", *timeout, podget.MaxTimeout))
 	}
 	r := Request{Kubeconfig: *kubeconfig, Namespace: *namespace, Name: *name, Timeout: *timeout}.Do(context.Background())
 	if err := json.NewEncoder(stdout).Encode(r); err != nil {
@@ -95,12 +93,21 @@ func (q Request) Do(ctx context.Context) podget.Result {
 	ctx, cancel := context.WithTimeout(ctx, q.Timeout)
 	defer cancel()
 	pod, err := c.GetPod(ctx, q.Namespace, q.Name)
-	if err != nil {
-		var ae *APIError
-		if errors.As(err, &ae) {
-			return podget.Result{Server: c.Server(), Kind: podget.KindAPI, Error: ae.Err.Error(), Status: ae.Status, Attempts: ae.Attempts}
-		}
-		return podget.Result{Server: c.Server(), Kind: podget.KindDecode, Error: err.Error()}
+	return result(c.Server(), q.Kubeconfig, pod, err)
+}
+
+// result classifies GetPod's outcome for the plugin.
+func result(server, kubeconfig string, pod *podspec.Pod, err error) podget.Result {
+	if err == nil {
+		return podget.Result{Server: server, Pod: pod}
 	}
-	return podget.Result{Server: c.Server(), Pod: pod}
+	var ae *APIError
+	if errors.As(err, &ae) {
+		return podget.Result{Server: server, Kind: podget.KindAPI, Error: ae.Err.Error(), Status: ae.Status, Attempts: ae.Attempts}
+	}
+	var ce *credentialError
+	if errors.As(err, &ce) {
+		return podget.Result{Server: server, Kind: podget.KindKubeconfig, Error: fmt.Sprintf("kubeconfig %s: %v", kubeconfig, ce.err)}
+	}
+	return podget.Result{Server: server, Kind: podget.KindDecode, Error: err.Error()}
 }

@@ -2,7 +2,11 @@ package kubeapi
 
 import (
 	"bytes"
+	"context"
+	"encoding/base64"
 	"encoding/json"
+	"fmt"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -89,5 +93,39 @@ func TestHelperMainAsCNIPlugin(t *testing.T) {
 	}
 	if code != 1 || json.Unmarshal(stdout.Bytes(), &e) != nil || e.Code != 4 || !strings.Contains(e.Msg, `"type": "meshcni"`) {
 		t.Fatalf("exit %d, stdout %q", code, stdout.String())
+	}
+}
+
+// TestTokenFileGoneIsAKubeconfigFailure: a tokenFile that disappears after the
+// kubeconfig was loaded is reported as a kubeconfig problem (the plugin then says
+// "check that meshcni-agent is running"), not as a broken helper.
+func TestTokenFileGoneIsAKubeconfigFailure(t *testing.T) {
+	api := fakeapi.New(t, "tok")
+	api.AddPod(testPod("app", "web", "1"))
+	dir := t.TempDir()
+	tokenFile := filepath.Join(dir, "token")
+	if err := os.WriteFile(tokenFile, []byte("tok"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	kc := filepath.Join(dir, "kubeconfig")
+	doc := fmt.Sprintf("apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: %q, certificate-authority-data: %s}\n"+
+		"users:\n- name: u\n  user: {tokenFile: %s}\ncontexts:\n- name: x\n  context: {cluster: c, user: u}\ncurrent-context: x\n",
+		api.URL(), base64.StdEncoding.EncodeToString(api.CAPEM()), tokenFile)
+	if err := os.WriteFile(kc, []byte(doc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := LoadKubeconfig(kc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := NewPodClient(cfg)
+	if _, err := c.GetPod(context.Background(), "app", "web"); err != nil {
+		t.Fatalf("with the token file: %v", err)
+	}
+	os.Remove(tokenFile)
+	pod, err := c.GetPod(context.Background(), "app", "web")
+	r := result(c.Server(), kc, pod, err)
+	if r.Kind != podget.KindKubeconfig || !strings.Contains(r.Error, "tokenFile") || !strings.Contains(r.Error, kc) {
+		t.Fatalf("result %+v", r)
 	}
 }

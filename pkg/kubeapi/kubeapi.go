@@ -222,6 +222,13 @@ func readToken(path string) (string, error) {
 	return strings.TrimSpace(string(b)), nil
 }
 
+// credentialError: the credentials the kubeconfig names cannot be read (a tokenFile
+// that is gone or unreadable at request time).
+type credentialError struct{ err error }
+
+func (e *credentialError) Error() string { return e.err.Error() }
+func (e *credentialError) Unwrap() error { return e.err }
+
 // APIError is podget's: the helper reports it to the plugin field by field.
 type APIError = podget.APIError
 
@@ -302,7 +309,7 @@ func (c *PodClient) getOnce(ctx context.Context, namespace, name string) (*podsp
 	token := c.cfg.Token
 	if token == "" && c.cfg.TokenFile != "" {
 		if token, err = readToken(c.cfg.TokenFile); err != nil {
-			return nil, err
+			return nil, &credentialError{err}
 		}
 	}
 	if token != "" {

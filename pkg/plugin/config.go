@@ -15,6 +15,7 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/cniconf"
+	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
@@ -24,7 +25,7 @@ const KubeconfigName = "meshcni-kubeconfig"
 // Limits of api_timeout.
 const (
 	DefaultAPITimeout = 20 * time.Second
-	MaxAPITimeout     = 5 * time.Minute
+	MaxAPITimeout     = podget.MaxTimeout
 )
 
 // rawConfig is the JSON of meshcni's entry: the agent's cniconf.PluginEntry, plus the

@@ -22,6 +22,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/proxysim"
@@ -83,13 +84,15 @@ func (c *commands) find(cmd, ns, name string) []agentsock.CommandResult {
 	return out
 }
 
-// install builds meshcni into the test bed's CNI bin dir, writes the agent's run dir
+// installOnNode puts meshcni and its API helper into the test bed's CNI bin dir, writes the agent's run dir
 // (kubeconfig + a socket that records command results) and the conflist.
 func installOnNode(t *testing.T, tb *testbed.Testbed) *commands {
 	t.Helper()
-	bin := filepath.Join(binaries(t), "meshcni")
-	if err := testbed.InstallCNIPlugin(bin, "meshcni"); err != nil {
-		t.Fatal(err)
+	// The API helper first, as the agent installs them.
+	for _, name := range []string{podget.HelperName, "meshcni"} {
+		if err := testbed.InstallCNIPlugin(filepath.Join(binaries(t), name), name); err != nil {
+			t.Fatal(err)
+		}
 	}
 	runDir, err := os.MkdirTemp("/run", "meshcni-e2e-")
 	if err != nil {

@@ -30,6 +30,7 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podspec"
@@ -72,6 +73,8 @@ type Plugin struct {
 	Stderr io.Writer // logs when the agent's socket is unreachable
 	// NewPodGetter builds the API client from a kubeconfig path (tests replace it).
 	NewPodGetter func(kubeconfig string) (PodGetter, error)
+	// HelperPath locates the API helper meshcni-podget (STATUS checks it is there).
+	HelperPath func() (string, error)
 }
 
 // PodGetter fetches one pod: in production a podget.Getter, which runs the helper
@@ -86,9 +89,10 @@ type PodGetter interface {
 // New returns the production plugin: pkg/engine, os.Stdout, os.Stderr.
 func New() *Plugin {
 	return &Plugin{
-		Engine: realEngine{},
-		Stdout: os.Stdout,
-		Stderr: os.Stderr,
+		Engine:     realEngine{},
+		Stdout:     os.Stdout,
+		Stderr:     os.Stderr,
+		HelperPath: podget.HelperPath,
 		NewPodGetter: func(path string) (PodGetter, error) {
 			helper, err := podget.HelperPath()
 			if err != nil {
@@ -302,9 +306,15 @@ func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*podspec.Pod, e
 	if pod := inv.podFromAgent(ctx); pod != nil {
 		return pod, nil
 	}
+	if !cniconf.IsNamespaceName(inv.namespace) || !isPodName(inv.name) {
+		return nil, types.NewError(types.ErrInvalidEnvironmentVariables, fmt.Sprintf(
+			"meshcni: CNI_ARGS names pod %q in namespace %q, which Kubernetes cannot hold; %s", inv.name, inv.namespace, closed), "")
+	}
 	getter, err := p.NewPodGetter(inv.cfg.Kubeconfig)
 	if err != nil {
-		return nil, types.NewError(types.ErrInternal, fmt.Sprintf("meshcni cannot ask the Kubernetes API for pod %s/%s: %v; %s", inv.namespace, inv.name, err, closed), "")
+		return nil, types.NewError(types.ErrInternal, fmt.Sprintf(
+			"meshcni cannot ask the Kubernetes API for pod %s/%s: %v; %s; check that meshcni-agent is running on this node (it answers pod lookups itself)",
+			inv.namespace, inv.name, err, closed), "")
 	}
 	ctx, cancel := context.WithTimeout(ctx, inv.cfg.APITimeout)
 	defer cancel()
@@ -377,7 +387,7 @@ func apiFailure(inv *invocation, server string, err error, took time.Duration) e
 	var he *podget.HelperError
 	if errors.As(err, &he) {
 		return types.NewError(types.ErrInternal, fmt.Sprintf(
-			"meshcni cannot ask the Kubernetes API for pod %s/%s: %v; %s; check that meshcni-agent is running on this node (it installs %s next to the plugin and answers pod lookups itself)",
+			"meshcni cannot ask the Kubernetes API for pod %s/%s: %v; %s; check that meshcni-agent is running on this node (it installs %s next to the plugin, and answers pod lookups itself)",
 			inv.namespace, inv.name, he, closed, podget.HelperName), "")
 	}
 	var ae *podget.APIError
@@ -397,10 +407,33 @@ func apiFailure(inv *invocation, server string, err error, took time.Duration) e
 		return types.NewError(types.ErrInternal, fmt.Sprintf(
 			"pod %s/%s not found in the Kubernetes API at %s (gave up after %s); %s; if it is a static pod, wait for its mirror pod, otherwise it was deleted",
 			inv.namespace, inv.name, server, took.Round(time.Millisecond), closed), "")
+	case ae.Status == 200:
+		return types.NewError(types.ErrInternal, fmt.Sprintf(
+			"the Kubernetes API at %s answered the GET of pod %s/%s with something that is not a pod (%v); %s; check that the kubeconfig's server is the API server",
+			server, inv.namespace, inv.name, ae.Err, closed), "")
 	}
 	return types.NewError(types.ErrTryAgainLater, fmt.Sprintf(
 		"the Kubernetes API at %s failed to return pod %s/%s (%d %s: %v, gave up after %s); %s",
 		server, inv.namespace, inv.name, ae.Status, podget.StatusText(ae.Status), ae.Err, took.Round(time.Millisecond), closed), "")
+}
+
+// isPodName reports whether s can be a pod's name (an RFC 1123 subdomain: lower-case
+// alphanumerics, '-' and '.', alphanumeric at both ends, at most 253 bytes).
+func isPodName(s string) bool {
+	if len(s) == 0 || len(s) > 253 {
+		return false
+	}
+	for _, label := range strings.Split(s, ".") {
+		if len(label) == 0 || label[0] == '-' || label[len(label)-1] == '-' {
+			return false
+		}
+		for i := 0; i < len(label); i++ {
+			if c := label[i]; !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-') {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // Del is CNI DEL: remove meshcni's rules if the netns still exists. It needs no
@@ -484,13 +517,21 @@ func (p *Plugin) Check(args *skel.CmdArgs) (err error) {
 
 // Status is CNI STATUS (1.1): ready once the agent has installed the kubeconfig.
 func (p *Plugin) Status(args *skel.CmdArgs) error {
-	cfg, err := ParseConfig(args.StdinData)
+	cfg, err := parseConfig(args.StdinData, false)
 	if err != nil {
 		return err
 	}
 	if _, err := os.Stat(cfg.Kubeconfig); err != nil {
 		return types.NewError(types.ErrPluginNotAvailable, fmt.Sprintf(
 			"meshcni is not ready: its kubeconfig %s is missing (%v); meshcni-agent writes it at install, check that it is running on this node", cfg.Kubeconfig, errors.Unwrap(err)), "")
+	}
+	helper, err := p.HelperPath()
+	if err == nil {
+		_, err = os.Stat(helper)
+	}
+	if err != nil {
+		return types.NewError(types.ErrPluginNotAvailable, fmt.Sprintf(
+			"meshcni is not ready: its API helper %s is missing (%v); meshcni-agent installs it next to the plugin, check that it is running on this node", podget.HelperName, err), "")
 	}
 	return nil
 }

@@ -102,6 +102,11 @@ func newHarness(t *testing.T) *harness {
 	h.api.Kubeconfig(t, filepath.Join(h.runDir, KubeconfigName))
 	h.p = New()
 	h.p.Engine, h.p.Stdout, h.p.Stderr = h.eng, h.stdout, h.stderr
+	helper := filepath.Join(t.TempDir(), "meshcni-podget")
+	if err := os.WriteFile(helper, nil, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	h.p.HelperPath = func() (string, error) { return helper, nil }
 	// In-process: the helper's own code (kubeapi) without its exec, which the
 	// real-API and test-bed tests run.
 	h.p.NewPodGetter = func(path string) (PodGetter, error) {
@@ -312,6 +317,26 @@ func TestAddFailures(t *testing.T) {
 	}
 }
 
+// TestAddRejectsImpossiblePodNames: a namespace or name Kubernetes cannot hold never
+// reaches the API helper's URL (a name of ".." would GET the namespace itself).
+func TestAddRejectsImpossiblePodNames(t *testing.T) {
+	h := newHarness(t)
+	for _, tc := range []struct{ ns, name string }{{"app", ".."}, {"app", "a/b"}, {"app", "Web"}, {"App", "web"}, {"app", strings.Repeat("a", 254)}} {
+		e := cniErr(t, h.p.Add(cmdArgs(tc.ns, tc.name, "", conf(t, "1.0.0", h.runDir, prevResult100, nil))))
+		if e.Code != types.ErrInvalidEnvironmentVariables || !strings.Contains(e.Msg, "cannot hold") {
+			t.Errorf("%s/%s: %+v", tc.ns, tc.name, e)
+		}
+	}
+	if h.gets != 0 || h.api.Hits() != 0 {
+		t.Fatalf("API asked %d/%d times", h.gets, h.api.Hits())
+	}
+	for _, name := range []string{"web-0", "web.v2", strings.Repeat("a", 100)} {
+		if !isPodName(name) {
+			t.Errorf("isPodName(%q) = false", name)
+		}
+	}
+}
+
 func TestAddAPIUnreachableFailsClosedWithinDeadline(t *testing.T) {
 	h := newHarness(t)
 	l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -429,6 +454,12 @@ func TestStatusAndGC(t *testing.T) {
 	}
 	e := cniErr(t, h.p.Status(&skel.CmdArgs{StdinData: conf(t, "1.1.0", t.TempDir(), "", nil)}))
 	if e.Code != types.ErrPluginNotAvailable || !strings.Contains(e.Msg, "meshcni-kubeconfig is missing") {
+		t.Fatalf("%+v", e)
+	}
+	// The API helper missing: not ready either, naming it.
+	h.p.HelperPath = func() (string, error) { return filepath.Join(t.TempDir(), "meshcni-podget"), nil }
+	e = cniErr(t, h.p.Status(&skel.CmdArgs{StdinData: conf(t, "1.1.0", h.runDir, "", nil)}))
+	if e.Code != types.ErrPluginNotAvailable || !strings.Contains(e.Msg, "API helper meshcni-podget is missing") {
 		t.Fatalf("%+v", e)
 	}
 	if err := h.p.GC(&skel.CmdArgs{StdinData: conf(t, "1.1.0", h.runDir, "", nil)}); err != nil {

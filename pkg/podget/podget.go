@@ -24,6 +24,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/meshcni/meshcni/pkg/podspec"
@@ -86,6 +87,8 @@ func (e *APIError) Retryable() bool {
 // is not linked here).
 func StatusText(code int) string {
 	switch code {
+	case 200:
+		return "OK"
 	case 400:
 		return "Bad Request"
 	case 401:
@@ -143,9 +146,14 @@ type Getter struct {
 	server string
 }
 
-// HelperPath is HelperName in the directory of the running executable (the plugin's
-// CNI bin directory).
+// HelperPath is HelperName in the plugin's CNI bin directory: the directory of the
+// path the runtime executed (argv[0], absolute when run from CNI_PATH), which is where
+// meshcni-agent installs the two, even when that path is a symlink; else the
+// directory of the running executable.
 func HelperPath() (string, error) {
+	if len(os.Args) > 0 && filepath.IsAbs(os.Args[0]) {
+		return filepath.Join(filepath.Dir(os.Args[0]), HelperName), nil
+	}
 	exe, err := os.Executable()
 	if err != nil {
 		return "", fmt.Errorf("find the plugin's own path: %w", err)
@@ -162,17 +170,29 @@ func (g *Getter) Server() string {
 	return "the server of " + g.Kubeconfig
 }
 
+// MaxTimeout bounds the helper's --timeout (and the plugin's api_timeout).
+const MaxTimeout = 5 * time.Minute
+
+// Bounds on what the plugin reads from the helper: the pod's JSON (the helper reads at
+// most 8 MiB of it from the API server) and its error output.
+const (
+	maxStdout = 16 << 20
+	maxStderr = 64 << 10
+)
+
 // GetPod runs the helper for namespace/name; the helper retries within ctx's
-// deadline. Errors are *APIError, *KubeconfigError, *HelperError, or a decode error.
+// deadline and is killed Grace after it. Errors are *APIError, *KubeconfigError or
+// *HelperError.
 func (g *Getter) GetPod(ctx context.Context, namespace, name string) (*podspec.Pod, error) {
 	deadline, ok := ctx.Deadline()
 	if !ok {
 		return nil, &HelperError{Path: g.Helper, Err: errors.New("no deadline for the API request")}
 	}
 	timeout := time.Until(deadline)
-	if timeout <= 0 {
+	if timeout < time.Millisecond {
 		return nil, &APIError{Server: g.Server(), Err: context.DeadlineExceeded}
 	}
+	timeout = min(timeout.Truncate(time.Millisecond), MaxTimeout)
 	grace := g.Grace
 	if grace <= 0 {
 		grace = 2 * time.Second
@@ -185,21 +205,32 @@ func (g *Getter) GetPod(ctx context.Context, namespace, name string) (*podspec.P
 		"--kubeconfig="+g.Kubeconfig,
 		"--namespace="+namespace,
 		"--name="+name,
-		"--timeout="+timeout.Round(time.Millisecond).String())
+		"--timeout="+timeout.String())
 	cmd.Env = []string{}
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	// Killed with the plugin (a runtime that kills the plugin does not leave the
+	// helper behind), and Run returns soon after the kill even if something the helper
+	// started still holds its output open.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	cmd.WaitDelay = 500 * time.Millisecond
+	stdout := &capped{max: maxStdout}
+	stderr := &capped{max: maxStderr}
+	cmd.Stdout, cmd.Stderr = stdout, stderr
 	runErr := cmd.Run()
-	if runErr != nil && errors.Is(runErr, fs.ErrNotExist) {
-		return nil, &HelperError{Path: g.Helper, Err: fmt.Errorf("not installed (meshcni-agent installs it next to the plugin): %w", fs.ErrNotExist)}
+	switch {
+	case runErr != nil && errors.Is(runErr, fs.ErrNotExist):
+		return nil, &HelperError{Path: g.Helper, Err: fmt.Errorf("not installed: %w", fs.ErrNotExist)}
+	case rctx.Err() != nil:
+		return nil, &HelperError{Path: g.Helper, Err: fmt.Errorf("no answer within the API deadline %s and %s of grace; killed", timeout, grace)}
+	case stdout.over:
+		return nil, &HelperError{Path: g.Helper, Err: fmt.Errorf("answered more than %d bytes", maxStdout)}
 	}
 	var r Result
-	if err := json.Unmarshal(stdout.Bytes(), &r); err != nil {
-		msg := strings.TrimSpace(stderr.String())
+	if err := json.Unmarshal(stdout.b.Bytes(), &r); err != nil {
+		msg := limit(strings.TrimSpace(stderr.b.String()))
 		if runErr != nil {
-			return nil, &HelperError{Path: g.Helper, Err: fmt.Errorf("%v: %s", runErr, limit(msg))}
+			return nil, &HelperError{Path: g.Helper, Err: fmt.Errorf("%v: %s", runErr, msg)}
 		}
-		return nil, &HelperError{Path: g.Helper, Err: fmt.Errorf("unreadable answer: %v", err)}
+		return nil, &HelperError{Path: g.Helper, Err: fmt.Errorf("unreadable answer (%v); stderr: %s", err, msg)}
 	}
 	g.server = r.Server
 	pod, err := r.Outcome()
@@ -213,6 +244,22 @@ func (g *Getter) GetPod(ctx context.Context, namespace, name string) (*podspec.P
 	return pod, err
 }
 
+// capped is a bytes.Buffer that keeps at most max bytes and remembers it was cut.
+type capped struct {
+	b    bytes.Buffer
+	max  int
+	over bool
+}
+
+func (c *capped) Write(p []byte) (int, error) {
+	if room := c.max - c.b.Len(); len(p) > room {
+		c.over = true
+		c.b.Write(p[:max(room, 0)])
+		return len(p), nil
+	}
+	return c.b.Write(p)
+}
+
 // Outcome is the pod of a successful Result, or its failure as an *APIError,
 // *KubeconfigError or *HelperError.
 func (r *Result) Outcome() (*podspec.Pod, error) {
@@ -223,6 +270,9 @@ func (r *Result) Outcome() (*podspec.Pod, error) {
 		return nil, &KubeconfigError{Err: errors.New(r.Error)}
 	case r.Kind == KindAPI:
 		return nil, &APIError{Server: r.Server, Status: r.Status, Err: errors.New(r.Error), Attempts: r.Attempts}
+	case r.Kind == KindDecode:
+		// The server answered 200 with something that is not a pod.
+		return nil, &APIError{Server: r.Server, Status: 200, Err: errors.New(r.Error), Attempts: r.Attempts}
 	case r.Error != "":
 		return nil, &HelperError{Err: errors.New(r.Error)}
 	}
@@ -231,7 +281,7 @@ func (r *Result) Outcome() (*podspec.Pod, error) {
 
 func limit(s string) string {
 	if len(s) > 300 {
-		return s[:300] + "..."
+		return strings.ToValidUTF8(s[:300], "") + "..."
 	}
 	if s == "" {
 		return "no output"

@@ -137,6 +137,70 @@ func TestGetter(t *testing.T) {
 	})
 }
 
+// fakeHelper builds a Go program that stands in for a misbehaving helper (no shell).
+func fakeHelper(t *testing.T, src string) string {
+	t.Helper()
+	gobin := testutil.RequireBinary(t, "go")
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "main.go"), []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "go.mod"), []byte("module fake\ngo 1.22\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(dir, "fake")
+	cmd := exec.Command(gobin, "build", "-o", bin, ".")
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOFLAGS=-mod=mod")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("build fake helper: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// TestGetterMisbehavingHelper: a helper that hangs is killed at the deadline plus
+// the grace and named; one that floods its output is cut off; one that answers with
+// something that is not a pod (kind decode) is an API answer, not a helper fault.
+func TestGetterMisbehavingHelper(t *testing.T) {
+	hang := fakeHelper(t, `package main
+import "time"
+func main() { time.Sleep(time.Hour) }
+`)
+	t0 := time.Now()
+	_, err := (&podget.Getter{Helper: hang, Kubeconfig: "/k", Grace: 200 * time.Millisecond}).GetPod(withDeadline(t, 300*time.Millisecond), "app", "web")
+	var he *podget.HelperError
+	if !errors.As(err, &he) || !strings.Contains(err.Error(), "killed") || time.Since(t0) > 3*time.Second {
+		t.Fatalf("hanging helper: %v (%T) after %v", err, err, time.Since(t0))
+	}
+
+	flood := fakeHelper(t, `package main
+import ("os"; "bytes")
+func main() { b := bytes.Repeat([]byte("x"), 1<<20); for i := 0; i < 20; i++ { os.Stdout.Write(b) } }
+`)
+	_, err = (&podget.Getter{Helper: flood, Kubeconfig: "/k"}).GetPod(withDeadline(t, 10*time.Second), "app", "web")
+	if !errors.As(err, &he) || !strings.Contains(err.Error(), "more than") {
+		t.Fatalf("flooding helper: %v (%T)", err, err)
+	}
+
+	notPod := fakeHelper(t, `package main
+import "os"
+func main() { os.Stdout.WriteString(`+"`"+`{"server":"https://api:6443","kind":"decode","error":"decode pod: unexpected"}`+"`"+`); os.Exit(1) }
+`)
+	_, err = (&podget.Getter{Helper: notPod, Kubeconfig: "/k"}).GetPod(withDeadline(t, 10*time.Second), "app", "web")
+	var ae *podget.APIError
+	if !errors.As(err, &ae) || ae.Status != 200 || ae.Server != "https://api:6443" {
+		t.Fatalf("not-a-pod answer: %v (%T)", err, err)
+	}
+
+	// Less than a millisecond left: an API deadline error, the helper not run.
+	ctx, cancel := context.WithDeadline(context.Background(), time.Now().Add(500*time.Microsecond))
+	defer cancel()
+	_, err = (&podget.Getter{Helper: hang, Kubeconfig: "/k"}).GetPod(ctx, "app", "web")
+	if !errors.As(err, &ae) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("expired deadline: %v (%T)", err, err)
+	}
+}
+
 // TestGetterDeadline: an API server that accepts and never answers costs the plugin
 // its deadline, not more: the helper stops at the deadline it was given.
 func TestGetterDeadline(t *testing.T) {
