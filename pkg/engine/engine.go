@@ -125,7 +125,18 @@ func Clean(ctx context.Context, o Options) error {
 		return err
 	}
 	defer ss.close()
+	return cleanSession(ctx, o, ss)
+}
+
+// cleanSession is Clean (backend auto) over an open session. An error listing the
+// nftables tables is returned, but only what depends on the listing is skipped
+// (deleting meshcni's tables, iptables-nft when an ISTIO_* chain is found there):
+// iptables-legacy and the policy routing are still cleaned.
+func cleanSession(ctx context.Context, o Options, ss *session) error {
 	p, err := probeTables(ss.nf, true) // on an error listing chains, p.ours is still known
+	if err != nil {
+		err = fmt.Errorf("clean %s in netns %q: %w", backend.Nftables, o.NetnsPath, err)
+	}
 	if len(p.ours) > 0 {
 		if ferr := deleteTables(ss.nf, p.ours); ferr != nil {
 			err = errors.Join(err, fmt.Errorf("clean %s: delete tables in netns %q: %w", backend.Nftables, o.NetnsPath, ferr))
@@ -134,9 +145,6 @@ func Clean(ctx context.Context, o Options) error {
 		}
 	}
 	ss.closeNf()
-	if err != nil && len(p.ours) == 0 {
-		return err // its tables could not be read, and none of ours is known
-	}
 	errs := []error{err}
 	var kinds []backend.Kind
 	if p.xtIstio {
@@ -155,7 +163,7 @@ func Clean(ctx context.Context, o Options) error {
 			errs = append(errs, fmt.Errorf("clean %s: %w", k, err))
 		}
 	}
-	if err := cleanRouting(ss.rt); err != nil {
+	if err := cleanRouting(ss.rt, ss.ipv6); err != nil {
 		errs = append(errs, fmt.Errorf("clean policy routing: %w", err))
 	}
 	return errors.Join(errs...)

@@ -10,6 +10,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/meshcni/meshcni/pkg/istioflags"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/rules"
 )
@@ -128,19 +129,33 @@ func cleanNetwork(netns string) error {
 		return err
 	}
 	defer ss.close()
-	return cleanRouting(ss.rt)
+	return cleanRouting(ss.rt, ss.ipv6)
 }
 
 // loIndex is lo's interface index in every network namespace (the kernel's
 // LOOPBACK_IFINDEX).
 const loIndex = 1
 
+// noFamily reports whether err says the kernel does not handle a request's address
+// family: EAFNOSUPPORT, or EOPNOTSUPP (rtnetlink has no handler for it, as for
+// AF_INET6 when the kernel booted with ipv6.disable=1).
+func noFamily(err error) bool {
+	return errors.Is(err, unix.EAFNOSUPPORT) || errors.Is(err, unix.EOPNOTSUPP)
+}
+
+// delAddrGone reports whether removing ::6 from lo failed only because there is
+// nothing to remove: the address is not there, lo or IPv6 is not.
+func delAddrGone(err error) bool {
+	return errors.Is(err, unix.EADDRNOTAVAIL) || errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENODEV) || noFamily(err)
+}
+
 // cleanRouting removes, over the rtnetlink socket r, fwmark rules that lead to a
 // table whose only job is meshcni's "local default dev lo" route, and that route,
-// and ::6 on lo. One dump lists the rules of both families; a family's routes are
-// dumped only when a candidate rule exists. A rule or route is deleted by sending
-// its own dumped message back as the delete (as `ip rule flush` does).
-func cleanRouting(r *nlsock) error {
+// and ::6 on lo (only when ipv6: the namespace has IPv6, see session.ipv6). One
+// dump lists the rules of both families; a family's routes are dumped only when a
+// candidate rule exists. A rule or route is deleted by sending its own dumped
+// message back as the delete (as `ip rule flush` does).
+func cleanRouting(r *nlsock, ipv6 bool) error {
 	type candidate struct {
 		fam    rules.Family
 		family uint8
@@ -149,17 +164,16 @@ func cleanRouting(r *nlsock) error {
 		msg    []byte
 	}
 	var cands []candidate
-	// family AF_UNSPEC: the rules of every family; an error reading them leaves
-	// nothing of ours to find.
-	_ = r.dump(unix.RTM_GETRULE, make([]byte, unix.SizeofRtMsg), func(typ uint16, data []byte) {
+	// family AF_UNSPEC: the rules of every family the kernel has.
+	err := r.dump(unix.RTM_GETRULE, make([]byte, unix.SizeofRtMsg), func() { cands = cands[:0] }, func(typ uint16, data []byte) {
 		if typ != unix.RTM_NEWRULE || len(data) < unix.SizeofRtMsg {
 			return
 		}
 		c := candidate{family: data[0], table: uint32(data[4])}
-		switch c.family {
-		case unix.AF_INET:
+		switch {
+		case c.family == unix.AF_INET:
 			c.fam = rules.V4
-		case unix.AF_INET6:
+		case c.family == unix.AF_INET6 && ipv6:
 			c.fam = rules.V6
 		default:
 			return
@@ -175,12 +189,15 @@ func cleanRouting(r *nlsock) error {
 				c.table = binary.NativeEndian.Uint32(val)
 			}
 		})
-		if c.mark == 0 || c.table == 0 || c.table >= 252 {
+		if c.mark == 0 || !istioflags.UsableRouteTable(c.table) {
 			return
 		}
 		c.msg = slices.Clone(data)
 		cands = append(cands, c)
 	})
+	if err != nil && !noFamily(err) {
+		return fmt.Errorf("list policy rules: %w", err)
+	}
 	var errs []error
 	routes := map[uint8]map[uint32][][]byte{} // family → table → its routes' messages
 	for _, c := range cands {
@@ -189,8 +206,9 @@ func cleanRouting(r *nlsock) error {
 			byTable = map[uint32][][]byte{}
 			hdr := make([]byte, unix.SizeofRtMsg)
 			hdr[0] = c.family
-			err := r.dump(unix.RTM_GETROUTE, hdr, func(typ uint16, data []byte) {
-				if typ != unix.RTM_NEWROUTE || len(data) < unix.SizeofRtMsg {
+			err := r.dump(unix.RTM_GETROUTE, hdr, func() { clear(byTable) }, func(typ uint16, data []byte) {
+				// The kernel may answer a family's dump with every family's routes.
+				if typ != unix.RTM_NEWROUTE || len(data) < unix.SizeofRtMsg || data[0] != c.family {
 					return
 				}
 				table := uint32(data[4])
@@ -202,7 +220,9 @@ func cleanRouting(r *nlsock) error {
 				byTable[table] = append(byTable[table], slices.Clone(data))
 			})
 			if err != nil {
-				byTable = nil // this family's routes cannot be read: leave its rules
+				// This family's routes cannot be read: leave its rules.
+				errs = append(errs, fmt.Errorf("list %s routes: %w", c.fam, err))
+				byTable = nil
 			}
 			routes[c.family] = byTable
 		}
@@ -218,14 +238,16 @@ func cleanRouting(r *nlsock) error {
 			errs = append(errs, fmt.Errorf("delete %s route table %d: %w", c.fam, c.table, err))
 		}
 	}
+	if !ipv6 {
+		return errors.Join(errs...)
+	}
 	// ifaddrmsg: family, prefixlen, flags, scope, index
 	msg := make([]byte, unix.SizeofIfAddrmsg, unix.SizeofIfAddrmsg+2*(unix.SizeofRtAttr+16))
 	msg[0], msg[1] = unix.AF_INET6, 128
 	binary.NativeEndian.PutUint32(msg[4:8], loIndex)
 	msg = appendAttr(msg, unix.IFA_LOCAL, ipv6Passthrough.IP.To16())
 	msg = appendAttr(msg, unix.IFA_ADDRESS, ipv6Passthrough.IP.To16())
-	if err := r.do(unix.RTM_DELADDR, msg); err != nil &&
-		!errors.Is(err, unix.EADDRNOTAVAIL) && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.EAFNOSUPPORT) && !errors.Is(err, unix.ENODEV) {
+	if err := r.do(unix.RTM_DELADDR, msg); err != nil && !delAddrGone(err) {
 		errs = append(errs, fmt.Errorf("remove ::6 from lo: %w", err))
 	}
 	return errors.Join(errs...)

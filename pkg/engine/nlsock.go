@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -16,9 +17,10 @@ import (
 // buffer per receive, a goroutine per send and receive, a seeded random source per
 // socket).
 type nlsock struct {
-	fd  int
-	seq uint32
-	buf []byte
+	fd   int
+	seq  uint32
+	buf  []byte
+	peer uint32 // the port requests go to: 0, the kernel (tests talk to a socket of their own)
 }
 
 // nlBufSize bounds one receive. The kernel sizes a dump's messages by the
@@ -36,6 +38,10 @@ func openNl(proto int, socks *sockets) (*nlsock, error) {
 	if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
 		unix.Close(fd)
 		return nil, os.NewSyscallError("bind", err)
+	}
+	if err := setRcvTimeout(fd, nlTimeout); err != nil {
+		unix.Close(fd)
+		return nil, err
 	}
 	if proto == unix.NETLINK_NETFILTER {
 		socks.record(fd)
@@ -59,7 +65,7 @@ func (r *nlsock) send(typ, flags uint16, body []byte) (uint32, error) {
 // write sends b (one or more messages) to the kernel.
 func (r *nlsock) write(b []byte) error {
 	for {
-		err := unix.Sendto(r.fd, b, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK})
+		err := unix.Sendto(r.fd, b, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK, Pid: r.peer})
 		if err == unix.EINTR {
 			continue
 		}
@@ -70,17 +76,41 @@ func (r *nlsock) write(b []byte) error {
 	}
 }
 
+// nlTimeout bounds every blocking receive (SO_RCVTIMEO): a reply the kernel never
+// sends fails the request instead of hanging a CNI DEL.
+const nlTimeout = 5 * time.Second
+
+// errDumpInterrupted: the kernel flagged a dump NLM_F_DUMP_INTR (the table changed
+// while it was dumped, so the dump may be inconsistent); dump retries it.
+var errDumpInterrupted = errors.New("netlink dump interrupted by a concurrent change")
+
+// dumpTries bounds the attempts of a dump the kernel keeps interrupting.
+const dumpTries = 3
+
+// setRcvTimeout sets the socket's receive timeout.
+func setRcvTimeout(fd int, d time.Duration) error {
+	tv := unix.NsecToTimeval(d.Nanoseconds())
+	return os.NewSyscallError("setsockopt SO_RCVTIMEO", unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv))
+}
+
 // receive reads the replies to request seq, calling each for every message other
 // than an error or done one, until the done message (dump) or the acknowledgement
-// (ack). A negative acknowledgement is returned as its errno.
+// (ack). A negative acknowledgement, or a done message carrying an error, is
+// returned as its errno; a dump the kernel flagged interrupted as
+// errDumpInterrupted (after the whole of it was read); no reply within the
+// socket's receive timeout as an error wrapping os.ErrDeadlineExceeded.
 func (r *nlsock) receive(seq uint32, each func(typ uint16, data []byte)) error {
 	if r.buf == nil {
 		r.buf = make([]byte, nlBufSize)
 	}
+	w := nlWalk{seq: seq}
 	for {
 		n, _, err := unix.Recvfrom(r.fd, r.buf, unix.MSG_TRUNC)
 		if err == unix.EINTR {
 			continue
+		}
+		if err == unix.EAGAIN {
+			return fmt.Errorf("netlink request %d: no answer from the kernel in time: %w", seq, os.ErrDeadlineExceeded)
 		}
 		if err != nil {
 			return os.NewSyscallError("recvfrom", err)
@@ -88,43 +118,86 @@ func (r *nlsock) receive(seq uint32, each func(typ uint16, data []byte)) error {
 		if n > len(r.buf) {
 			return fmt.Errorf("netlink message of %d bytes truncated to %d", n, len(r.buf))
 		}
-		b := r.buf[:n]
-		for len(b) >= unix.SizeofNlMsghdr {
-			l := int(binary.NativeEndian.Uint32(b[0:4]))
-			if l < unix.SizeofNlMsghdr || l > len(b) {
-				return fmt.Errorf("malformed netlink message (length %d of %d)", l, len(b))
-			}
-			typ := binary.NativeEndian.Uint16(b[4:6])
-			mseq := binary.NativeEndian.Uint32(b[8:12])
-			data := b[unix.SizeofNlMsghdr:l]
-			b = b[nlAlign(l):]
-			if mseq != seq {
-				continue // a late reply to an earlier request
-			}
-			switch typ {
-			case unix.NLMSG_DONE:
-				return nil
-			case unix.NLMSG_ERROR:
-				if len(data) < 4 {
-					return errors.New("short netlink error message")
-				}
-				if e := int32(binary.NativeEndian.Uint32(data[0:4])); e != 0 {
-					return unix.Errno(-e)
-				}
-				return nil // acknowledgement
-			}
-			each(typ, data)
+		if done, err := w.feed(r.buf[:n], each); done || err != nil {
+			return err
 		}
 	}
 }
 
-// dump runs a dump request and calls each for every message of it.
-func (r *nlsock) dump(typ uint16, body []byte, each func(typ uint16, data []byte)) error {
-	seq, err := r.send(typ, unix.NLM_F_DUMP, body)
-	if err != nil {
-		return err
+// nlWalk reads, one receive's buffer at a time, the replies to request seq.
+type nlWalk struct {
+	seq  uint32
+	intr bool // a reply carried NLM_F_DUMP_INTR
+}
+
+// feed walks the messages in b (one receive), calling each for every reply to w.seq
+// other than an error or done message and skipping replies to other requests. It
+// returns done when the request is answered (done message or acknowledgement),
+// with the answer's error: a negative acknowledgement's or done message's errno,
+// or errDumpInterrupted when a reply was flagged NLM_F_DUMP_INTR. A malformed
+// length is an error; the last message may lack its padding.
+func (w *nlWalk) feed(b []byte, each func(typ uint16, data []byte)) (done bool, err error) {
+	for len(b) >= unix.SizeofNlMsghdr {
+		l := int(binary.NativeEndian.Uint32(b[0:4]))
+		if l < unix.SizeofNlMsghdr || l > len(b) {
+			return true, fmt.Errorf("malformed netlink message (length %d of %d)", l, len(b))
+		}
+		typ := binary.NativeEndian.Uint16(b[4:6])
+		flags := binary.NativeEndian.Uint16(b[6:8])
+		mseq := binary.NativeEndian.Uint32(b[8:12])
+		data := b[unix.SizeofNlMsghdr:l]
+		b = b[min(nlAlign(l), len(b)):]
+		if mseq != w.seq {
+			continue // a late reply to an earlier request
+		}
+		if flags&unix.NLM_F_DUMP_INTR != 0 {
+			w.intr = true
+		}
+		switch typ {
+		case unix.NLMSG_DONE:
+			// A dump that fails part-way ends with the error in its done message.
+			if len(data) >= 4 {
+				if e := int32(binary.NativeEndian.Uint32(data[0:4])); e < 0 {
+					return true, unix.Errno(-e)
+				}
+			}
+			if w.intr {
+				return true, errDumpInterrupted
+			}
+			return true, nil
+		case unix.NLMSG_ERROR:
+			if len(data) < 4 {
+				return true, errors.New("short netlink error message")
+			}
+			if e := int32(binary.NativeEndian.Uint32(data[0:4])); e != 0 {
+				return true, unix.Errno(-e)
+			}
+			return true, nil // acknowledgement
+		}
+		each(typ, data)
 	}
-	return r.receive(seq, each)
+	return false, nil
+}
+
+// dump runs a dump request and calls each for every message of it. A dump the
+// kernel flags interrupted (the table changed under it) is run again, up to
+// dumpTries times in all, calling reset (if not nil) before each retry so the
+// caller drops what the inconsistent attempt gave it.
+func (r *nlsock) dump(typ uint16, body []byte, reset func(), each func(typ uint16, data []byte)) error {
+	var err error
+	for try := range dumpTries {
+		if try > 0 && reset != nil {
+			reset()
+		}
+		var seq uint32
+		if seq, err = r.send(typ, unix.NLM_F_DUMP, body); err != nil {
+			return err
+		}
+		if err = r.receive(seq, each); !errors.Is(err, errDumpInterrupted) {
+			return err
+		}
+	}
+	return fmt.Errorf("%w (%d tries)", err, dumpTries)
 }
 
 // do sends a request with an acknowledgement and returns the kernel's answer.
@@ -140,6 +213,10 @@ func nlAlign(n int) int { return (n + unix.NLMSG_ALIGNTO - 1) &^ (unix.NLMSG_ALI
 
 func rtaAlign(n int) int { return (n + unix.RTA_ALIGNTO - 1) &^ (unix.RTA_ALIGNTO - 1) }
 
+// nlaTypeMask clears an attribute type's flag bits (NLA_F_NESTED,
+// NLA_F_NET_BYTEORDER); x/sys/unix does not define NLA_TYPE_MASK.
+const nlaTypeMask = ^uint16(unix.NLA_F_NESTED | unix.NLA_F_NET_BYTEORDER)
+
 // attrs calls each for every route attribute in b (a message's attribute area).
 func attrs(b []byte, each func(typ uint16, val []byte)) {
 	for len(b) >= unix.SizeofRtAttr {
@@ -147,7 +224,7 @@ func attrs(b []byte, each func(typ uint16, val []byte)) {
 		if l < unix.SizeofRtAttr || l > len(b) {
 			return
 		}
-		each(binary.NativeEndian.Uint16(b[2:4])&^unix.NLA_F_NESTED, b[unix.SizeofRtAttr:l])
+		each(binary.NativeEndian.Uint16(b[2:4])&nlaTypeMask, b[unix.SizeofRtAttr:l])
 		if rtaAlign(l) >= len(b) {
 			return
 		}
@@ -190,54 +267,69 @@ func appendMsg(b []byte, typ, flags uint16, seq uint32, body []byte) []byte {
 // end (last) refuses the whole batch and is returned as err. nfnetlink processes a
 // batch inside the send, so every answer is queued when it returns: the socket is
 // read without waiting, and a missing answer is an error, never a hang.
-func (r *nlsock) acks(first, last uint32, want int) (errs map[uint32]error, err error) {
+func (r *nlsock) acks(first, last uint32, want int) (map[uint32]error, error) {
 	if r.buf == nil {
 		r.buf = make([]byte, nlBufSize)
 	}
-	errs = map[uint32]error{}
-	got := 0
-	for got < want {
+	w := ackWalk{first: first, last: last, errs: map[uint32]error{}}
+	for w.got < want {
 		n, _, err := unix.Recvfrom(r.fd, r.buf, unix.MSG_TRUNC|unix.MSG_DONTWAIT)
 		if err == unix.EINTR {
 			continue
 		}
 		if err == unix.EAGAIN {
-			if len(errs) > 0 {
-				return errs, nil
+			if len(w.errs) > 0 {
+				return w.errs, nil
 			}
-			return errs, fmt.Errorf("nftables batch: %d of %d commands unanswered", want-got, want)
+			return w.errs, fmt.Errorf("nftables batch: %d of %d commands unanswered", want-w.got, want)
 		}
 		if err != nil {
-			return errs, os.NewSyscallError("recvfrom", err)
+			return w.errs, os.NewSyscallError("recvfrom", err)
 		}
 		if n > len(r.buf) {
-			return errs, fmt.Errorf("netlink message of %d bytes truncated to %d", n, len(r.buf))
+			return w.errs, fmt.Errorf("netlink message of %d bytes truncated to %d", n, len(r.buf))
 		}
-		b := r.buf[:n]
-		for len(b) >= unix.SizeofNlMsghdr {
-			l := int(binary.NativeEndian.Uint32(b[0:4]))
-			if l < unix.SizeofNlMsghdr || l > len(b) {
-				return errs, fmt.Errorf("malformed netlink message (length %d of %d)", l, len(b))
-			}
-			typ := binary.NativeEndian.Uint16(b[4:6])
-			seq := binary.NativeEndian.Uint32(b[8:12])
-			data := b[unix.SizeofNlMsghdr:l]
-			b = b[nlAlign(l):]
-			if typ != unix.NLMSG_ERROR || seq < first || seq > last || len(data) < 4 {
-				continue
-			}
-			e := int32(binary.NativeEndian.Uint32(data[0:4]))
-			if seq == first || seq == last {
-				if e != 0 {
-					return errs, unix.Errno(-e)
-				}
-				continue
-			}
-			got++
-			if e != 0 {
-				errs[seq] = unix.Errno(-e)
-			}
+		if err := w.feed(r.buf[:n]); err != nil {
+			return w.errs, err
 		}
 	}
-	return errs, nil
+	return w.errs, nil
+}
+
+// ackWalk reads the answers to a batch whose messages first..last were sent.
+type ackWalk struct {
+	first, last uint32
+	errs        map[uint32]error // a command's error by sequence number
+	got         int              // commands answered
+}
+
+// feed walks the messages in b (one receive), recording the answers to the batch's
+// commands and skipping everything else; an error answering the batch's begin or
+// end, or a malformed length, is returned. The last message may lack its padding.
+func (w *ackWalk) feed(b []byte) error {
+	for len(b) >= unix.SizeofNlMsghdr {
+		l := int(binary.NativeEndian.Uint32(b[0:4]))
+		if l < unix.SizeofNlMsghdr || l > len(b) {
+			return fmt.Errorf("malformed netlink message (length %d of %d)", l, len(b))
+		}
+		typ := binary.NativeEndian.Uint16(b[4:6])
+		seq := binary.NativeEndian.Uint32(b[8:12])
+		data := b[unix.SizeofNlMsghdr:l]
+		b = b[min(nlAlign(l), len(b)):]
+		if typ != unix.NLMSG_ERROR || seq < w.first || seq > w.last || len(data) < 4 {
+			continue
+		}
+		e := int32(binary.NativeEndian.Uint32(data[0:4]))
+		if seq == w.first || seq == w.last {
+			if e != 0 {
+				return unix.Errno(-e)
+			}
+			continue
+		}
+		w.got++
+		if e != 0 {
+			w.errs[seq] = unix.Errno(-e)
+		}
+	}
+	return nil
 }

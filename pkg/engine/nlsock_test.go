@@ -3,6 +3,10 @@ package engine
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
+	"maps"
+	"slices"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -63,5 +67,146 @@ func TestNetlinkEncoding(t *testing.T) {
 	}
 	if s := nfString(appendAttr(nil, unix.NFTA_TABLE_NAME, []byte("istio-proxy-nat\x00")), unix.NFTA_TABLE_NAME); s != "istio-proxy-nat" {
 		t.Fatalf("nfString = %q", s)
+	}
+}
+
+// rawMsg is one netlink message as the kernel writes it: header, body, and the
+// padding to 4 bytes unless unpadded.
+func rawMsg(typ, flags uint16, seq uint32, body []byte, unpadded bool) []byte {
+	b := make([]byte, unix.SizeofNlMsghdr, unix.SizeofNlMsghdr+len(body)+3)
+	binary.NativeEndian.PutUint32(b[0:4], uint32(unix.SizeofNlMsghdr+len(body)))
+	binary.NativeEndian.PutUint16(b[4:6], typ)
+	binary.NativeEndian.PutUint16(b[6:8], flags)
+	binary.NativeEndian.PutUint32(b[8:12], seq)
+	b = append(b, body...)
+	if !unpadded {
+		for len(b)%4 != 0 {
+			b = append(b, 0)
+		}
+	}
+	return b
+}
+
+// errnoBody is an NLMSG_DONE or NLMSG_ERROR payload: the negated errno (0: none).
+func errnoBody(e unix.Errno) []byte {
+	return binary.NativeEndian.AppendUint32(nil, uint32(-int32(e)))
+}
+
+// cat joins messages into one receive's buffer.
+func cat(msgs ...[]byte) []byte { return bytes.Join(msgs, nil) }
+
+// TestNlWalk: the walk of the replies to one request over one or more receives:
+// every message of the request is handed over, replies to other requests are
+// skipped, a done message ends it with the error it carries, a dump flagged
+// NLM_F_DUMP_INTR ends in errDumpInterrupted (after all of it), an acknowledgement
+// ends it with its errno, malformed lengths are errors, and a last message without
+// its padding is read without running past the buffer.
+func TestNlWalk(t *testing.T) {
+	const seq = 7
+	rule := func(flags uint16, seq uint32) []byte {
+		return rawMsg(unix.RTM_NEWRULE, flags|unix.NLM_F_MULTI, seq, make([]byte, 12), false)
+	}
+	done := func(flags uint16, seq uint32, body []byte) []byte {
+		return rawMsg(unix.NLMSG_DONE, flags|unix.NLM_F_MULTI, seq, body, false)
+	}
+	for _, tc := range []struct {
+		name      string
+		bufs      [][]byte // one per receive
+		wantCalls []int    // body length of each message handed over
+		wantDone  bool
+		wantErr   error // errors.Is; nil: none; errMalformed: any error naming a length
+	}{
+		{"multi-message buffer", [][]byte{cat(rule(0, seq), rule(0, seq), done(0, seq, errnoBody(0)))}, []int{12, 12}, true, nil},
+		{"over two receives", [][]byte{cat(rule(0, seq), rule(0, seq)), done(0, seq, errnoBody(0))}, []int{12, 12}, true, nil},
+		{"unfinished", [][]byte{rule(0, seq)}, []int{12}, false, nil},
+		{"done without payload", [][]byte{cat(rule(0, seq), done(0, seq, nil))}, []int{12}, true, nil},
+		{"done with an error", [][]byte{cat(rule(0, seq), done(0, seq, errnoBody(unix.EBUSY)))}, []int{12}, true, unix.EBUSY},
+		{"dump interrupted", [][]byte{cat(rule(0, seq), rule(unix.NLM_F_DUMP_INTR, seq)), done(0, seq, errnoBody(0))}, []int{12, 12}, true, errDumpInterrupted},
+		{"dump interrupted on done", [][]byte{cat(rule(0, seq), done(unix.NLM_F_DUMP_INTR, seq, errnoBody(0)))}, []int{12}, true, errDumpInterrupted},
+		{"another request's interrupted dump", [][]byte{cat(rule(unix.NLM_F_DUMP_INTR, seq-1), done(0, seq, nil))}, nil, true, nil},
+		{"acknowledgement", [][]byte{rawMsg(unix.NLMSG_ERROR, 0, seq, append(errnoBody(0), make([]byte, 16)...), false)}, nil, true, nil},
+		{"negative acknowledgement", [][]byte{rawMsg(unix.NLMSG_ERROR, 0, seq, append(errnoBody(unix.ENOENT), make([]byte, 16)...), false)}, nil, true, unix.ENOENT},
+		{"short error message", [][]byte{rawMsg(unix.NLMSG_ERROR, 0, seq, []byte{1, 2}, false)}, nil, true, errMalformed},
+		{"replies to other requests skipped", [][]byte{cat(rule(0, seq-1), done(0, seq-1, errnoBody(unix.EIO)), rule(0, seq), rawMsg(unix.NLMSG_ERROR, 0, seq+1, errnoBody(unix.EPERM), false), done(0, seq, nil))}, []int{12}, true, nil},
+		{"length past the buffer", [][]byte{cat(rule(0, seq), rawMsg(unix.RTM_NEWRULE, 0, seq, make([]byte, 12), false)[:20])}, []int{12}, true, errMalformed},
+		{"length below the header", [][]byte{cat(rule(0, seq), func() []byte { m := rule(0, seq); m[0] = 8; return m }())}, []int{12}, true, errMalformed},
+		{"last message unpadded", [][]byte{rawMsg(unix.RTM_NEWRULE, unix.NLM_F_MULTI, seq, make([]byte, 13), true)}, []int{13}, false, nil},
+		{"unpadded, then done", [][]byte{rawMsg(unix.RTM_NEWRULE, unix.NLM_F_MULTI, seq, make([]byte, 13), true), done(0, seq, nil)}, []int{13}, true, nil},
+		{"trailing bytes shorter than a header", [][]byte{cat(rule(0, seq), make([]byte, 8))}, []int{12}, false, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := nlWalk{seq: seq}
+			var calls []int
+			var gotDone bool
+			var err error
+			for _, b := range tc.bufs {
+				if gotDone, err = w.feed(b, func(typ uint16, data []byte) {
+					if typ != unix.RTM_NEWRULE {
+						t.Errorf("handed over message type %d", typ)
+					}
+					calls = append(calls, len(data))
+				}); gotDone || err != nil {
+					break
+				}
+			}
+			if !slices.Equal(calls, tc.wantCalls) {
+				t.Errorf("handed over bodies of %v bytes, want %v", calls, tc.wantCalls)
+			}
+			if gotDone != tc.wantDone {
+				t.Errorf("done = %v, want %v", gotDone, tc.wantDone)
+			}
+			switch {
+			case tc.wantErr == errMalformed:
+				if err == nil || !strings.Contains(err.Error(), "netlink") {
+					t.Errorf("err = %v, want a malformed-message error", err)
+				}
+			case tc.wantErr == nil && err != nil, tc.wantErr != nil && !errors.Is(err, tc.wantErr):
+				t.Errorf("err = %v, want %v", err, tc.wantErr)
+			}
+		})
+	}
+}
+
+// errMalformed stands for "an error about the message's shape" in table tests.
+var errMalformed = errors.New("malformed")
+
+// TestAckWalk: the answers to an nf_tables batch (messages 10..13: begin, two
+// commands, end): each command's errno is kept by sequence number, other messages
+// are skipped, an error on the begin or end refuses the batch, malformed lengths are
+// errors, and an unpadded last message is read without running past the buffer.
+func TestAckWalk(t *testing.T) {
+	ack := func(seq uint32, e unix.Errno) []byte {
+		return rawMsg(unix.NLMSG_ERROR, 0, seq, append(errnoBody(e), make([]byte, 16)...), false)
+	}
+	for _, tc := range []struct {
+		name     string
+		buf      []byte
+		wantGot  int
+		wantErrs map[uint32]error
+		wantErr  error
+	}{
+		{"both answered", cat(ack(11, 0), ack(12, unix.ENOENT)), 2, map[uint32]error{12: unix.ENOENT}, nil},
+		{"foreign messages skipped", cat(ack(9, unix.EIO), rawMsg(unix.NLMSG_DONE, 0, 11, nil, false), ack(11, 0), ack(14, unix.EIO)), 1, map[uint32]error{}, nil},
+		{"begin refused", cat(ack(10, unix.EPERM), ack(11, 0)), 0, map[uint32]error{}, unix.EPERM},
+		{"end refused", cat(ack(11, 0), ack(13, unix.EINVAL)), 1, map[uint32]error{}, unix.EINVAL},
+		{"begin and end acknowledged", cat(ack(10, 0), ack(11, 0), ack(13, 0)), 1, map[uint32]error{}, nil},
+		{"length past the buffer", cat(ack(11, 0), ack(12, 0)[:30]), 1, map[uint32]error{}, errMalformed},
+		{"unpadded last message", cat(ack(11, 0), rawMsg(unix.NLMSG_ERROR, 0, 12, append(errnoBody(unix.EBUSY), 1), true)), 2, map[uint32]error{12: unix.EBUSY}, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := ackWalk{first: 10, last: 13, errs: map[uint32]error{}}
+			err := w.feed(tc.buf)
+			switch {
+			case tc.wantErr == errMalformed:
+				if err == nil || !strings.Contains(err.Error(), "malformed") {
+					t.Errorf("err = %v, want a malformed-message error", err)
+				}
+			case tc.wantErr == nil && err != nil, tc.wantErr != nil && !errors.Is(err, tc.wantErr):
+				t.Errorf("err = %v, want %v", err, tc.wantErr)
+			}
+			if w.got != tc.wantGot || !maps.EqualFunc(w.errs, tc.wantErrs, func(a, b error) bool { return errors.Is(a, b) }) {
+				t.Errorf("got %d answers, errors %v; want %d, %v", w.got, w.errs, tc.wantGot, tc.wantErrs)
+			}
+		})
 	}
 }

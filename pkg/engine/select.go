@@ -104,7 +104,7 @@ func nfString(b []byte, typ uint16) string {
 // (and, when chains is set, the chains of the iptables-nft ones).
 func probeTables(s *nlsock, chains bool) (probe, error) {
 	var p probe
-	err := s.dump(nfMsg(unix.NFT_MSG_GETTABLE), nfgen(unix.NFPROTO_UNSPEC, 0), func(typ uint16, data []byte) {
+	err := s.dump(nfMsg(unix.NFT_MSG_GETTABLE), nfgen(unix.NFPROTO_UNSPEC, 0), func() { p = probe{} }, func(typ uint16, data []byte) {
 		if typ != nfMsg(unix.NFT_MSG_NEWTABLE) || len(data) < 4 {
 			return
 		}
@@ -122,7 +122,7 @@ func probeTables(s *nlsock, chains bool) (probe, error) {
 		return p, fmt.Errorf("list nftables tables: %w", err)
 	}
 	if chains && p.xtnft {
-		err := s.dump(nfMsg(unix.NFT_MSG_GETCHAIN), nfgen(unix.NFPROTO_UNSPEC, 0), func(typ uint16, data []byte) {
+		err := s.dump(nfMsg(unix.NFT_MSG_GETCHAIN), nfgen(unix.NFPROTO_UNSPEC, 0), func() { p.xtIstio = false }, func(typ uint16, data []byte) {
 			if typ != nfMsg(unix.NFT_MSG_NEWCHAIN) || len(data) < 4 || (data[0] != unix.NFPROTO_IPV4 && data[0] != unix.NFPROTO_IPV6) {
 				return
 			}

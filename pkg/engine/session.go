@@ -25,6 +25,7 @@ type session struct {
 	nf     *nlsock // wantNf; its duplicate is in socks
 	rt     *nlsock // wantRoute
 	legacy bool    // wantLegacy
+	ipv6   bool    // wantRoute: the namespace has IPv6 (/proc/.../net/if_inet6 exists)
 }
 
 // openSession enters netns ("" = the calling thread's namespace, not left) once
@@ -46,6 +47,7 @@ func openSession(netns string, want int, socks *sockets) (*session, error) {
 				return fmt.Errorf("rtnetlink in netns %q: %w", netns, err)
 			}
 			s.rt = h
+			s.ipv6 = ipv6Here()
 		}
 		if want&wantLegacy != 0 {
 			s.legacy = legacyHere()
@@ -71,13 +73,14 @@ func (s *session) close() {
 	s.rt = nil
 }
 
-// inNetns runs f with the calling goroutine's thread in the namespace at path ("":
-// in its current one), locked to it, and moves the thread back before unlocking
-// it. Unlike netnsutil.Do, f runs on the calling goroutine: starting a goroutine
-// wakes another thread, which in a fresh process costs more than the rest of the
-// entry. If the move back fails (it cannot, short of the kernel refusing to return
-// to a namespace the thread just left), the thread stays locked to the caller, so
-// no other goroutine ever runs in the pod's namespace, and the error says so.
+// inNetns runs f on a thread in the namespace at path ("": f runs on the calling
+// goroutine, in its thread's current namespace). f runs on a goroutine of its own,
+// locked to its thread, which moves the thread back and unlocks it when f returns
+// or panics; the caller's thread never moves. If the move back fails (it cannot,
+// short of the kernel refusing to return to a namespace the thread just left), the
+// goroutine exits still locked, so the runtime ends the thread and no goroutine
+// ever runs in the pod's namespace by mistake: the agent, a long-lived process,
+// probes through here. A panic in f is raised again in the caller.
 func inNetns(path string, f func() error) error {
 	if path == "" {
 		return f()
@@ -87,21 +90,50 @@ func inNetns(path string, f func() error) error {
 		return fmt.Errorf("open netns %s: %w", path, err)
 	}
 	defer unix.Close(fd)
-	runtime.LockOSThread()
-	orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("open the thread's netns: %w", err)
+	type result struct {
+		err      error
+		panicked bool
+		p        any
 	}
-	defer unix.Close(orig)
-	if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
-		runtime.UnlockOSThread() // a failed setns leaves the thread where it was
-		return fmt.Errorf("enter netns %s: %w", path, err)
+	done := make(chan result, 1)
+	go func() {
+		var res result
+		defer func() { done <- res }()
+		runtime.LockOSThread()
+		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			runtime.UnlockOSThread()
+			res.err = fmt.Errorf("open the thread's netns: %w", err)
+			return
+		}
+		defer unix.Close(orig)
+		if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread() // a failed setns leaves the thread where it was
+			res.err = fmt.Errorf("enter netns %s: %w", path, err)
+			return
+		}
+		defer func() {
+			if p := recover(); p != nil {
+				res.panicked, res.p = true, p
+			}
+			if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
+				// Still locked: the thread ends with the goroutine.
+				res.err = errors.Join(res.err, fmt.Errorf("leave netns %s (its thread is discarded): %w", path, err))
+				return
+			}
+			runtime.UnlockOSThread()
+		}()
+		res.err = f()
+	}()
+	res := <-done
+	if res.panicked {
+		panic(res.p)
 	}
-	ferr := f()
-	if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
-		return errors.Join(ferr, fmt.Errorf("leave netns %s (the calling goroutine stays locked to its thread): %w", path, err))
-	}
-	runtime.UnlockOSThread()
-	return ferr
+	return res.err
+}
+
+// ipv6Here reports whether the calling thread's namespace has IPv6: without it
+// (a kernel booted with ipv6.disable=1) rtnetlink refuses every IPv6 request.
+func ipv6Here() bool {
+	return unix.Access("/proc/thread-self/net/if_inet6", unix.F_OK) == nil
 }
