@@ -1,0 +1,16 @@
+package istioflags
+
+import "testing"
+
+// TestUsableRouteTable: 0 and the kernel's 252-255 are refused, 1-251 and 256 up
+// taken.
+func TestUsableRouteTable(t *testing.T) {
+	for _, tc := range []struct {
+		table uint32
+		ok    bool
+	}{{0, false}, {1, true}, {133, true}, {251, true}, {252, false}, {253, false}, {254, false}, {255, false}, {256, true}, {1 << 31, true}, {^uint32(0), true}} {
+		if got := UsableRouteTable(tc.table); got != tc.ok {
+			t.Errorf("UsableRouteTable(%d) = %v, want %v", tc.table, got, tc.ok)
+		}
+	}
+}
