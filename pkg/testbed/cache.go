@@ -26,7 +26,7 @@ const KubernetesVersion = "v1.35.4"
 // Recipes: bump when the way binaries are built changes, to invalidate caches.
 const (
 	k8sRecipe = "k8s-v1 -trimpath " + k8sLdflags
-	auxRecipe = "aux-v1 CGO_ENABLED=0 -trimpath -ldflags=-s -w"
+	auxRecipe = "aux-v2 CGO_ENABLED=0 -trimpath -ldflags=-s -w go install @" + CNIPluginsVersion
 	// k8sLdflags strip the binaries and stamp the version the way Kubernetes'
 	// own build does (kubelet reports it; the API server derives its emulation
 	// version from it).
@@ -42,6 +42,12 @@ const (
 
 // k8sCommands are built from k8s.io/kubernetes/cmd/<name>.
 var k8sCommands = []string{"kube-apiserver", "kubelet", "kube-controller-manager", "kube-scheduler", "kubectl"}
+
+// CNIPluginsVersion is the containernetworking/plugins release whose reference plugins
+// the test bed runs. They are built with `go install pkg@version`, in their own
+// module (its go.mod and go.sum), not in meshcni's: meshcni's go.sum need not (and,
+// once tidied, does not) list their dependencies.
+const CNIPluginsVersion = "v1.10.0"
 
 // cniPlugins are the reference plugins installed into CNIBinDir.
 var cniPlugins = map[string]string{
@@ -292,13 +298,13 @@ func ensureAux(ctx context.Context, log *slog.Logger, root string, b Binaries) e
 	start := time.Now()
 	err := publish(b.AuxDir, func(tmp string) error {
 		cni := filepath.Join(tmp, "cni")
-		args := []string{"build", "-trimpath", "-ldflags=-s -w", "-o", cni + "/"}
+		args := []string{"install", "-trimpath", "-ldflags=-s -w"}
 		for _, p := range cniPlugins {
-			args = append(args, p)
+			args = append(args, p+"@"+CNIPluginsVersion)
 		}
 		cmd := exec.CommandContext(ctx, "go", args...)
-		cmd.Dir = root
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		cmd.Dir = tmp // outside any module: pkg@version uses the plugins' own go.mod
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOBIN="+cni, "GOFLAGS=")
 		if out, err := cmd.CombinedOutput(); err != nil {
 			return fmt.Errorf("build CNI plugins: %w: %s", err, out)
 		}
