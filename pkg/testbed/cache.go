@@ -270,7 +270,7 @@ func publish(dir string, fill func(tmp string) error) error {
 
 func buildK8s(ctx context.Context, log *slog.Logger, root, dir string) error {
 	start := time.Now()
-	log.Info("building kubernetes (cold: ~13 min on 2 cores; warm: ~30 s)", "version", KubernetesVersion, "dir", dir)
+	log.Info("building kubernetes (cold: 5–13 min on 2 cores; warm: ~30 s)", "version", KubernetesVersion, "dir", dir)
 	err := publish(dir, func(tmp string) error {
 		args := []string{"build", "-trimpath", "-ldflags=" + k8sLdflags, "-o", tmp + "/"}
 		for _, c := range k8sCommands {
