@@ -107,10 +107,23 @@ func TestBinary(t *testing.T) {
 	if code, body := get(t, base+"/healthz"); code != http.StatusOK {
 		t.Errorf("/healthz %d %s", code, body)
 	}
-	_, m := get(t, base+"/metrics")
-	for _, want := range []string{`meshcni_taint_changes_total{action="add"} 1`, `meshcni_taint_changes_total{action="remove"} 1`, "meshcni_taint_nodes_tainted 0"} {
-		if !strings.Contains(m, want+"\n") {
-			t.Errorf("/metrics lacks %q", want)
+	// The node's taint is gone in the API before the controller counts its patch:
+	// wait for the counters rather than scrape once.
+	wants := []string{`meshcni_taint_changes_total{action="add"} 1`, `meshcni_taint_changes_total{action="remove"} 1`, "meshcni_taint_nodes_tainted 0"}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		_, m := get(t, base+"/metrics")
+		var missing []string
+		for _, want := range wants {
+			if !strings.Contains(m, want+"\n") {
+				missing = append(missing, want)
+			}
+		}
+		if len(missing) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("/metrics lacks %q after 5s", missing)
+			break
 		}
 	}
 
