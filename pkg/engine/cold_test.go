@@ -103,33 +103,13 @@ func BenchmarkCleanCold(b *testing.B) {
 				if _, err := engine.Apply(context.Background(), engine.Options{Backend: backend.Auto, NetnsPath: path}, c.s); err != nil {
 					b.Fatal(err)
 				}
-				cmd := exec.Command(self)
-				cmd.Env = append(os.Environ(), coldCleanEnv+"="+path)
-				var out, errb bytes.Buffer
-				cmd.Stdout, cmd.Stderr = &out, &errb
-				b.StartTimer()
-				err = cmd.Run()
-				b.StopTimer()
-				if err != nil {
-					b.Fatalf("cold clean: %v: %s", err, errb.Bytes())
-				}
-				ns, err := strconv.ParseInt(string(bytes.TrimSpace(out.Bytes())), 10, 64)
-				if err != nil {
-					b.Fatalf("cold clean output %q: %v", out.Bytes(), err)
-				}
-				ds = append(ds, time.Duration(ns))
+				ds = append(ds, runCold(b, self, coldCleanEnv, path))
 				if err := testutil.DeleteNetns(path); err != nil {
 					b.Fatal(err)
 				}
 				b.StartTimer()
 			}
-			var sum time.Duration
-			for _, d := range ds {
-				sum += d
-			}
-			slices.Sort(ds)
-			b.ReportMetric(float64(sum.Microseconds())/1000/float64(len(ds)), "clean-ms")
-			b.ReportMetric(float64(ds[len(ds)/2].Microseconds())/1000, "clean-p50-ms")
+			reportCold(b, ds, "clean")
 		})
 	}
 }
@@ -150,31 +130,45 @@ func BenchmarkApplyCold(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		cmd := exec.Command(self)
-		cmd.Env = append(os.Environ(), coldApplyEnv+"="+path)
-		var out, errb bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &errb
-		b.StartTimer()
-		err = cmd.Run()
-		b.StopTimer()
-		if err != nil {
-			b.Fatalf("cold apply: %v: %s", err, errb.Bytes())
-		}
-		ns, err := strconv.ParseInt(string(bytes.TrimSpace(out.Bytes())), 10, 64)
-		if err != nil {
-			b.Fatalf("cold apply output %q: %v", out.Bytes(), err)
-		}
-		ds = append(ds, time.Duration(ns))
+		ds = append(ds, runCold(b, self, coldApplyEnv, path))
 		if err := testutil.DeleteNetns(path); err != nil {
 			b.Fatal(err)
 		}
 		b.StartTimer()
 	}
+	reportCold(b, ds, "apply")
+}
+
+// runCold runs this test binary as the child that env selects, on netns, with the
+// benchmark's timer running (it is stopped on return), and returns the duration the
+// child measured and printed.
+func runCold(b *testing.B, self, env, netns string) time.Duration {
+	b.Helper()
+	cmd := exec.Command(self)
+	cmd.Env = append(os.Environ(), env+"="+netns)
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	b.StartTimer()
+	err := cmd.Run()
+	b.StopTimer()
+	if err != nil {
+		b.Fatalf("%s child: %v: %s", env, err, errb.Bytes())
+	}
+	ns, err := strconv.ParseInt(string(bytes.TrimSpace(out.Bytes())), 10, 64)
+	if err != nil {
+		b.Fatalf("%s child output %q: %v", env, out.Bytes(), err)
+	}
+	return time.Duration(ns)
+}
+
+// reportCold reports the mean and median of the children's durations as
+// <what>-ms and <what>-p50-ms.
+func reportCold(b *testing.B, ds []time.Duration, what string) {
 	var sum time.Duration
 	for _, d := range ds {
 		sum += d
 	}
 	slices.Sort(ds)
-	b.ReportMetric(float64(sum.Microseconds())/1000/float64(len(ds)), "apply-ms")
-	b.ReportMetric(float64(ds[len(ds)/2].Microseconds())/1000, "apply-p50-ms")
+	b.ReportMetric(float64(sum.Microseconds())/1000/float64(len(ds)), what+"-ms")
+	b.ReportMetric(float64(ds[len(ds)/2].Microseconds())/1000, what+"-p50-ms")
 }

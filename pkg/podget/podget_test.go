@@ -18,6 +18,7 @@ import (
 
 	"github.com/meshcni/meshcni/internal/fakeapi"
 	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/pkg/ociimage"
 	"github.com/meshcni/meshcni/pkg/podget"
 )
 
@@ -30,7 +31,7 @@ var (
 // helper builds cmd/meshcni-podget once per test binary.
 func helper(t *testing.T) string {
 	t.Helper()
-	gobin := testutil.RequireBinary(t, "go")
+	testutil.RequireBinary(t, "go")
 	buildOnce.Do(func() {
 		root, err := testutil.RepoRoot()
 		if err != nil {
@@ -43,12 +44,7 @@ func helper(t *testing.T) string {
 			return
 		}
 		helperBin = filepath.Join(dir, podget.HelperName)
-		cmd := exec.Command(gobin, "build", "-trimpath", "-o", helperBin, "./cmd/meshcni-podget")
-		cmd.Dir = root
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			buildErr = errors.New(string(out))
-		}
+		buildErr = ociimage.GoBinary(context.Background(), root, "./cmd/meshcni-podget", helperBin)
 	})
 	if buildErr != nil {
 		t.Fatalf("build %s: %v", podget.HelperName, buildErr)
