@@ -39,6 +39,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/name"
 
 	"github.com/meshcni/meshcni/pkg/ociimage"
+	"github.com/meshcni/meshcni/pkg/podget"
 )
 
 // Fixed names and paths of the image.
@@ -55,8 +56,8 @@ const (
 	// (meshcni-agent's default --plugin-binary).
 	PluginCommand = "meshcni"
 	PluginPath    = "/opt/meshcni/bin/meshcni"
-	// HelperCommand is the plugin's API helper (podget.HelperName), next to it.
-	HelperCommand = "meshcni-podget"
+	// HelperCommand is the plugin's API helper, next to it.
+	HelperCommand = podget.HelperName
 	// AgentCommand is the entrypoint.
 	AgentCommand = "meshcni-agent"
 	// Source is the source repository recorded in the labels.

@@ -86,21 +86,23 @@ type PodGetter interface {
 	Server() string
 }
 
-// New returns the production plugin: pkg/engine, os.Stdout, os.Stderr.
+// New returns the production plugin: pkg/engine, os.Stdout, os.Stderr, the API
+// helper next to the plugin.
 func New() *Plugin {
-	return &Plugin{
+	p := &Plugin{
 		Engine:     realEngine{},
 		Stdout:     os.Stdout,
 		Stderr:     os.Stderr,
 		HelperPath: podget.HelperPath,
-		NewPodGetter: func(path string) (PodGetter, error) {
-			helper, err := podget.HelperPath()
-			if err != nil {
-				return nil, err
-			}
-			return &podget.Getter{Helper: helper, Kubeconfig: path}, nil
-		},
 	}
+	p.NewPodGetter = func(path string) (PodGetter, error) {
+		helper, err := p.HelperPath()
+		if err != nil {
+			return nil, err
+		}
+		return &podget.Getter{Helper: helper, Kubeconfig: path}, nil
+	}
+	return p
 }
 
 // Funcs are the plugin's commands for skel.PluginMainFuncs.
