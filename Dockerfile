@@ -4,8 +4,8 @@
 #   docker buildx build --platform linux/amd64,linux/arm64 \
 #     --build-arg VERSION=v0.1.0 --build-arg REVISION=$(git rev-parse HEAD) -t REGISTRY/meshcni:v0.1.0 .
 #
-# It is the image `make images` builds without Docker (pkg/images; docs/demo.md), and
-# pkg/images' TestDockerfileMatchesBuilder keeps the two in step: every cmd/* static
+# It is the image `make images` builds without Docker (internal/build/image; docs/demo.md), and
+# internal/build/image' TestDockerfileMatchesBuilder keeps the two in step: every cmd/* static
 # (CGO_ENABLED=0, -trimpath, -s -w, -X main.version) in /usr/local/bin, the CNI plugin in
 # /opt/meshcni/bin/meshcni (meshcni-agent's default --plugin-binary) with its API helper
 # meshcni-podget beside it, /tmp 1777, on

@@ -37,7 +37,7 @@ bench:
 HUB ?= meshcni.local
 TAG ?= dev
 ARCH ?=
-# The meshcni image without Docker (pkg/images): $(BIN)/images/meshcni-$(TAG).tar, an OCI
+# The meshcni image without Docker (internal/build/image): $(BIN)/images/meshcni-$(TAG).tar, an OCI
 # layout tarball for `ctr images import` / `docker load`. ARCH=amd64,arm64: an index of both.
 images:
 	$(GO) run ./hack/images --hub $(HUB) --tag $(TAG) $(if $(ARCH),--arch $(ARCH)) --out $(BIN)/images/meshcni-$(TAG).tar

@@ -19,7 +19,7 @@ import (
 	"k8s.io/client-go/restmapper"
 
 	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 // dryRunNamespace is where the matrix is rendered for the dry runs (ours alone).

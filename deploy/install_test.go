@@ -18,9 +18,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/pkg/images"
+	"github.com/meshcni/meshcni/internal/build/image"
 	"github.com/meshcni/meshcni/pkg/taint"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 // installNamespace is where TestHelmInstall installs (its own test bed, torn down after).
@@ -48,7 +48,7 @@ func TestHelmInstall(t *testing.T) {
 	}
 	began := time.Now()
 	archive := filepath.Join(t.TempDir(), "meshcni.tar")
-	img, err := images.Build(ctx, images.Options{RepoRoot: root, Hub: images.DefaultHub, Tag: images.DefaultTag, Out: archive, WorkDir: t.TempDir()})
+	img, err := image.Build(ctx, image.Options{RepoRoot: root, Hub: image.DefaultHub, Tag: image.DefaultTag, Out: archive, WorkDir: t.TempDir()})
 	if err != nil {
 		t.Fatalf("build the image: %v", err)
 	}

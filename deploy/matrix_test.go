@@ -8,7 +8,7 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/repair"
 	"github.com/meshcni/meshcni/pkg/taint"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 // matrixCase is a set of values (--set, or @file for --values) and what its rendering

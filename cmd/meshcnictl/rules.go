@@ -16,7 +16,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/istioflags"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/rules"
-	iptrender "github.com/meshcni/meshcni/pkg/rules/iptables"
+	"github.com/meshcni/meshcni/pkg/rules/ipt"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -144,7 +144,7 @@ func printRules(out io.Writer, rs *rules.Ruleset) {
 	}{{rules.V4, "# iptables-restore --noflush input, IPv4"}, {rules.V6, "# ip6tables-restore --noflush input, IPv6"}} {
 		if rs.Families.Has(f.family) {
 			fmt.Fprintln(out, f.title)
-			fmt.Fprint(out, iptrender.Restore(rs, f.family))
+			fmt.Fprint(out, ipt.Restore(rs, f.family))
 		}
 	}
 	if rs.Route != nil {

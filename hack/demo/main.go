@@ -26,9 +26,9 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/meshcni/meshcni/pkg/demo"
-	"github.com/meshcni/meshcni/pkg/images"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/demo"
+	"github.com/meshcni/meshcni/internal/build/image"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 func main() {
@@ -38,8 +38,8 @@ func main() {
 		cmd, args = args[0], args[1:]
 	}
 	fs := flag.NewFlagSet("demo "+cmd, flag.ExitOnError)
-	hub := fs.String("hub", images.DefaultHub, "image hub")
-	tag := fs.String("tag", images.DefaultTag, "image tag")
+	hub := fs.String("hub", image.DefaultHub, "image hub")
+	tag := fs.String("tag", image.DefaultTag, "image tag")
 	_ = fs.Parse(args)
 	if fs.NArg() > 0 {
 		fmt.Fprintf(os.Stderr, "demo: unexpected arguments %q\n", fs.Args())

@@ -15,12 +15,12 @@ import (
 	"syscall"
 
 	"github.com/meshcni/meshcni/internal/reporoot"
-	"github.com/meshcni/meshcni/pkg/images"
+	"github.com/meshcni/meshcni/internal/build/image"
 )
 
 func main() {
-	hub := flag.String("hub", images.DefaultHub, "image hub (registry/namespace)")
-	tag := flag.String("tag", images.DefaultTag, "image tag")
+	hub := flag.String("hub", image.DefaultHub, "image hub (registry/namespace)")
+	tag := flag.String("tag", image.DefaultTag, "image tag")
 	arch := flag.String("arch", "", "comma-separated architectures (amd64, arm64, arm/v7, ppc64le, s390x, riscv64); empty: this machine's")
 	out := flag.String("out", "", "archive path (default bin/images/meshcni-<tag>.tar)")
 	version := flag.String("version", "", "version label and -X main.version (default: the tag)")
@@ -30,7 +30,7 @@ func main() {
 		fmt.Fprintf(os.Stderr, "images: unexpected arguments %q\n", flag.Args())
 		os.Exit(2)
 	}
-	arches, err := images.ParseArches(*arch)
+	arches, err := image.ParseArches(*arch)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "images: --arch: %v\n", err)
 		os.Exit(2)
@@ -41,11 +41,11 @@ func main() {
 		os.Exit(1)
 	}
 	if *out == "" {
-		*out = images.DefaultArchive(root, *tag)
+		*out = image.DefaultArchive(root, *tag)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	res, err := images.Build(ctx, images.Options{
+	res, err := image.Build(ctx, image.Options{
 		RepoRoot: root, Hub: *hub, Tag: *tag, Arches: arches,
 		Version: *version, Revision: *revision, Out: *out,
 		Logger: slog.New(slog.NewTextHandler(os.Stderr, nil)),

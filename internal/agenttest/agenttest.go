@@ -47,7 +47,7 @@ import (
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/fileutil"
 	"github.com/meshcni/meshcni/pkg/podget"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 // Binary names in the directory Binaries returns.

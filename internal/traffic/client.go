@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/meshcni/meshcni/pkg/proxysim"
+	"github.com/meshcni/meshcni/internal/proxysim"
 )
 
 // DialOptions configures Dial.

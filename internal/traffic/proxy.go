@@ -18,7 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/pkg/proxysim"
+	"github.com/meshcni/meshcni/internal/proxysim"
 )
 
 // EnvProxysim names a prebuilt meshcni-proxysim binary to use instead of building one.

@@ -8,7 +8,7 @@ import (
 
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/traffic"
-	"github.com/meshcni/meshcni/pkg/proxysim"
+	"github.com/meshcni/meshcni/internal/proxysim"
 )
 
 var appUser = traffic.Cred{UID: 1000, GID: 1000}

@@ -20,7 +20,7 @@ import (
 
 	"github.com/meshcni/meshcni/internal/agenttest"
 	"github.com/meshcni/meshcni/pkg/fileutil"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 const (

@@ -35,7 +35,7 @@ import (
 	"github.com/meshcni/meshcni/internal/agenttest"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 const (

@@ -9,7 +9,7 @@ import (
 	"github.com/meshcni/meshcni/internal/traffic"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/proxysim"
+	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 

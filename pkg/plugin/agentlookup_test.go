@@ -30,7 +30,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/nodepods"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 // countingProxy forwards TCP to the API server and counts the connections it accepts:

@@ -25,8 +25,8 @@ import (
 	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
-	"github.com/meshcni/meshcni/pkg/proxysim"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/proxysim"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 const (

@@ -29,7 +29,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/nodepods"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
-	"github.com/meshcni/meshcni/pkg/proxysim"
+	"github.com/meshcni/meshcni/internal/proxysim"
 )
 
 const e2eNamespace = "meshcni-plugin-e2e"

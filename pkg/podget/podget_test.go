@@ -18,7 +18,7 @@ import (
 
 	"github.com/meshcni/meshcni/internal/fakeapi"
 	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/pkg/ociimage"
+	"github.com/meshcni/meshcni/internal/build/ociimage"
 	"github.com/meshcni/meshcni/pkg/podget"
 )
 

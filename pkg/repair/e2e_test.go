@@ -33,14 +33,14 @@ import (
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/ociimage"
+	"github.com/meshcni/meshcni/internal/build/ociimage"
 	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
-	"github.com/meshcni/meshcni/pkg/proxysim"
+	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/pkg/repair"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 func TestMain(m *testing.M) {

@@ -4,7 +4,7 @@ import (
 	"testing"
 
 	"github.com/meshcni/meshcni/pkg/rules"
-	"github.com/meshcni/meshcni/pkg/rules/iptables"
+	"github.com/meshcni/meshcni/pkg/rules/ipt"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -21,7 +21,7 @@ func BenchmarkBuildAndRenderIptables(b *testing.B) {
 	s.EnableIPv6 = true
 	for b.Loop() {
 		rs := rules.Build(&s)
-		_ = iptables.Restore(rs, rules.V4)
-		_ = iptables.Restore(rs, rules.V6)
+		_ = ipt.Restore(rs, rules.V4)
+		_ = ipt.Restore(rs, rules.V6)
 	}
 }

@@ -17,8 +17,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	itestutil "github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/pkg/ociimage"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/build/ociimage"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 // TestBinary runs the built meshcni-taint-controller against the real API server, set

@@ -31,7 +31,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	itestutil "github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 // The test bed is started once for the package (API-only, ≈ 4 s) and stopped by TestMain.

@@ -22,7 +22,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/rules"
-	render "github.com/meshcni/meshcni/pkg/rules/iptables"
+	"github.com/meshcni/meshcni/pkg/rules/ipt"
 )
 
 // Backend is an iptables-legacy or iptables-nft backend.
@@ -108,7 +108,7 @@ func plan(snapshot []*savedTable, desired string) string {
 		names[t.Name] = true
 	}
 	var sb strings.Builder
-	for _, table := range render.Tables {
+	for _, table := range ipt.Tables {
 		if !names[table] {
 			continue
 		}
@@ -206,7 +206,7 @@ func (b *Backend) replace(ctx context.Context, netns string, rs *rules.Ruleset) 
 	for _, fam := range fams {
 		desired := ""
 		if rs != nil {
-			desired = render.Restore(rs, fam)
+			desired = ipt.Restore(rs, fam)
 		}
 		saved, err := b.Save(ctx, netns, fam)
 		if err != nil {
@@ -354,7 +354,7 @@ func (b *Backend) canonical(ctx context.Context, rs *rules.Ruleset) (map[rules.F
 	out := map[rules.Family][]string{}
 	err := netnsutil.InScratch(func() error {
 		for _, fam := range []rules.Family{rules.V4, rules.V6} {
-			if in := render.Restore(rs, fam); in != "" {
+			if in := ipt.Restore(rs, fam); in != "" {
 				if _, err := b.run(ctx, "", fam, "-restore", in, "--noflush"); err != nil {
 					return fmt.Errorf("%s %s: desired rules do not load: %w", b.kind, fam, err)
 				}

@@ -13,7 +13,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/backend/nftables"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/rules/nft"
-	"github.com/meshcni/meshcni/pkg/rules/nft/nfttest"
+	"github.com/meshcni/meshcni/internal/nfttest"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 

@@ -11,7 +11,7 @@ import (
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/rules/nft"
-	"github.com/meshcni/meshcni/pkg/rules/nft/nfttest"
+	"github.com/meshcni/meshcni/internal/nfttest"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 

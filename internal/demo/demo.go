@@ -38,9 +38,9 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/pkg/images"
-	"github.com/meshcni/meshcni/pkg/proxysim"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/build/image"
+	"github.com/meshcni/meshcni/internal/proxysim"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 // Helm release of meshcni.
@@ -62,7 +62,7 @@ const (
 type Options struct {
 	// RepoRoot is the module root (chart, values, hack/helm, go build).
 	RepoRoot string
-	// Hub and Tag of the image (images.DefaultHub, images.DefaultTag when empty).
+	// Hub and Tag of the image (image.DefaultHub, image.DefaultTag when empty).
 	Hub, Tag string
 	// Out receives the report; Log the progress.
 	Out io.Writer
@@ -77,7 +77,7 @@ type Options struct {
 
 // Report is what Run saw.
 type Report struct {
-	Image       *images.Result
+	Image       *image.Result
 	Steps       []Step
 	Pods        []PodRow
 	Connections []ConnRow
@@ -116,10 +116,10 @@ type ConnRow struct {
 
 func (o *Options) defaults() {
 	if o.Hub == "" {
-		o.Hub = images.DefaultHub
+		o.Hub = image.DefaultHub
 	}
 	if o.Tag == "" {
-		o.Tag = images.DefaultTag
+		o.Tag = image.DefaultTag
 	}
 	if o.Out == nil {
 		o.Out = os.Stdout
@@ -200,17 +200,17 @@ func (r *runner) run(ctx context.Context) error {
 func (r *runner) install(ctx context.Context) error {
 	o := r.o
 	work := filepath.Join(o.RepoRoot, "bin", "images", "build")
-	img, err := images.Build(ctx, images.Options{
+	img, err := image.Build(ctx, image.Options{
 		RepoRoot: o.RepoRoot, Hub: o.Hub, Tag: o.Tag,
-		Out: images.DefaultArchive(o.RepoRoot, o.Tag), WorkDir: work, Logger: o.Log,
+		Out: image.DefaultArchive(o.RepoRoot, o.Tag), WorkDir: work, Logger: o.Log,
 	})
 	if err != nil {
 		return fmt.Errorf("build the image: %w", err)
 	}
 	r.rep.Image = img
-	hostDir := filepath.Join(work, strings.ReplaceAll(images.HostArch().String(), "/", "-"))
+	hostDir := filepath.Join(work, strings.ReplaceAll(image.HostArch().String(), "/", "-"))
 	r.hostCt = filepath.Join(hostDir, "meshcnictl")
-	r.plugin = filepath.Join(hostDir, images.PluginCommand)
+	r.plugin = filepath.Join(hostDir, image.PluginCommand)
 	r.step(fmt.Sprintf("image %s built (%.1f MB)", img.Ref, float64(img.ArchiveSize)/1e6))
 
 	if err := testbed.ImportImage(ctx, img.Out); err != nil {
@@ -338,7 +338,7 @@ func fileSHA(path string) (string, error) {
 // pluginState says whether the node has the plugin of the image: the binary in the
 // CNI bin dir and an entry in the primary configuration.
 func pluginState(wantSHA string) (binary, entry bool, err error) {
-	got, err := fileSHA(filepath.Join(testbed.CNIBinDir, images.PluginCommand))
+	got, err := fileSHA(filepath.Join(testbed.CNIBinDir, image.PluginCommand))
 	binary = err == nil && (wantSHA == "" || got == wantSHA)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return false, false, err
@@ -356,7 +356,7 @@ func pluginState(wantSHA string) (binary, entry bool, err error) {
 		return binary, false, fmt.Errorf("parse %s: %w", testbed.DefaultConflistName, err)
 	}
 	for _, p := range conf.Plugins {
-		if p.Type == images.PluginCommand {
+		if p.Type == image.PluginCommand {
 			entry = true
 		}
 	}
@@ -407,7 +407,7 @@ func (r *runner) app(ctx context.Context) error {
 	if err := r.tb.CreateNamespace(wctx, Namespace); err != nil {
 		return err
 	}
-	pods := Pods(r.o.Hub + "/" + images.Name + ":" + r.o.Tag)
+	pods := Pods(r.o.Hub + "/" + image.Name + ":" + r.o.Tag)
 	for _, p := range pods {
 		if _, err := r.tb.CreatePod(wctx, p); err != nil {
 			return err

@@ -22,7 +22,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 func main() {

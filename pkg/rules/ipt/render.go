@@ -1,6 +1,6 @@
 // Package iptables renders the rules model as iptables-restore input and as
 // iptables command arguments, for one IP family. It is pure.
-package iptables
+package ipt
 
 import (
 	"fmt"

@@ -1,4 +1,4 @@
-package images
+package image
 
 import (
 	"archive/tar"
@@ -21,7 +21,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/types"
 
 	"github.com/meshcni/meshcni/pkg/fileutil"
-	"github.com/meshcni/meshcni/pkg/ociimage"
+	"github.com/meshcni/meshcni/internal/build/ociimage"
 )
 
 // Annotation keys on the index.json descriptor.

@@ -20,7 +20,7 @@
 // by) and org.opencontainers.image.ref.name. It also carries a Docker-style
 // manifest.json for the first architecture, so `docker load` of any Docker version
 // accepts it. Builds are reproducible: the same binaries give the same digests.
-package images
+package image
 
 import (
 	"context"
@@ -38,7 +38,7 @@ import (
 
 	"github.com/google/go-containerregistry/pkg/name"
 
-	"github.com/meshcni/meshcni/pkg/ociimage"
+	"github.com/meshcni/meshcni/internal/build/ociimage"
 	"github.com/meshcni/meshcni/pkg/podget"
 )
 

@@ -26,7 +26,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/meshcni/meshcni/pkg/proxysim"
+	"github.com/meshcni/meshcni/internal/proxysim"
 )
 
 func main() {

@@ -1,4 +1,4 @@
-package images
+package image
 
 import (
 	"archive/tar"
@@ -20,7 +20,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/types"
 
 	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 func TestParseArches(t *testing.T) {

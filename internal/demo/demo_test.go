@@ -17,11 +17,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/pkg/images"
+	"github.com/meshcni/meshcni/internal/build/image"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
-	"github.com/meshcni/meshcni/pkg/proxysim"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/proxysim"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 var update = flag.Bool("update", false, "rewrite testdata/*.golden")
@@ -102,7 +102,7 @@ func TestSeenSource(t *testing.T) {
 func TestPrintGolden(t *testing.T) {
 	tr := true
 	rep := &Report{
-		Image: &images.Result{Ref: "meshcni.local/meshcni:dev", ArchiveSize: 34_100_000, IndexDigest: "sha256:0123"},
+		Image: &image.Result{Ref: "meshcni.local/meshcni:dev", ArchiveSize: 34_100_000, IndexDigest: "sha256:0123"},
 		Steps: []Step{{"image built", 12 * time.Second}, {"agent ready", 1500 * time.Millisecond}},
 		Pods: []PodRow{
 			{Pod: "meshcni-demo/meshed", IP: "10.213.0.9", Meshed: true, Reason: "istio-proxy sidecar container injected by Istio", Rules: "nftables (in-sync)", Validation: "passed (exit 0)", ProxyConns: 3},
@@ -217,13 +217,13 @@ func TestMultiArchImageImports(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 
-	host := images.HostArch()
-	other := images.Arch{GOARCH: "arm64"}
+	host := image.HostArch()
+	other := image.Arch{GOARCH: "arm64"}
 	if host.GOARCH == "arm64" {
-		other = images.Arch{GOARCH: "amd64"}
+		other = image.Arch{GOARCH: "amd64"}
 	}
 	dir := t.TempDir()
-	if err := images.GoBuild(ctx, root, host, "multiarch-test", filepath.Join(dir, "host"), []string{"meshcnictl"}); err != nil {
+	if err := image.GoBuild(ctx, root, host, "multiarch-test", filepath.Join(dir, "host"), []string{"meshcnictl"}); err != nil {
 		t.Fatal(err)
 	}
 	fake := filepath.Join(dir, "other-meshcnictl")
@@ -231,15 +231,15 @@ func TestMultiArchImageImports(t *testing.T) {
 		t.Fatal(err)
 	}
 	const tag = "multiarch-test"
-	ref, err := images.Ref(images.DefaultHub, tag)
+	ref, err := image.Ref(image.DefaultHub, tag)
 	if err != nil {
 		t.Fatal(err)
 	}
 	archive := filepath.Join(dir, "multi.tar")
-	res, err := images.Assemble(ctx, images.AssembleOptions{
+	res, err := image.Assemble(ctx, image.AssembleOptions{
 		Ref: ref, Tag: tag, Version: tag, Revision: "test",
-		Arches: []images.Arch{other, host},
-		Binaries: map[images.Arch]map[string]string{
+		Arches: []image.Arch{other, host},
+		Binaries: map[image.Arch]map[string]string{
 			host:  {"meshcnictl": filepath.Join(dir, "host", "meshcnictl")},
 			other: {"meshcnictl": fake},
 		},
@@ -275,7 +275,7 @@ func TestMultiArchImageImports(t *testing.T) {
 			RestartPolicy: corev1.RestartPolicyNever,
 			Containers: []corev1.Container{{
 				Name: "ctl", Image: ref, ImagePullPolicy: corev1.PullNever,
-				Command:         []string{images.PathInImage("meshcnictl"), "--help"},
+				Command:         []string{image.PathInImage("meshcnictl"), "--help"},
 				SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid},
 			}},
 		},

@@ -16,7 +16,7 @@ import (
 	"time"
 
 	"github.com/meshcni/meshcni/internal/reporoot"
-	"github.com/meshcni/meshcni/pkg/ociimage"
+	"github.com/meshcni/meshcni/internal/build/ociimage"
 )
 
 // KubernetesVersion is the version of k8s.io/kubernetes the test bed builds (pinned

@@ -6,8 +6,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/pkg/images"
-	"github.com/meshcni/meshcni/pkg/testbed"
+	"github.com/meshcni/meshcni/internal/build/image"
+	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 // Names of the demo's objects.
@@ -39,8 +39,8 @@ const (
 
 // proxysimPath and meshcnictlPath are the tools' paths in the meshcni image.
 var (
-	proxysimPath   = images.PathInImage("meshcni-proxysim")
-	meshcnictlPath = images.PathInImage("meshcnictl")
+	proxysimPath   = image.PathInImage("meshcni-proxysim")
+	meshcnictlPath = image.PathInImage("meshcnictl")
 )
 
 func runAs(uid int64) *corev1.SecurityContext {

@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/meshcni/meshcni/pkg/proxysim"
+	"github.com/meshcni/meshcni/internal/proxysim"
 )
 
 func TestConfigErrors(t *testing.T) {
