@@ -17,10 +17,10 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/build/image"
-	"github.com/meshcni/meshcni/pkg/taint"
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/pkg/taint"
 )
 
 // installNamespace is where TestHelmInstall installs (its own test bed, torn down after).

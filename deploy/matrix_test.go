@@ -6,9 +6,9 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/pkg/repair"
 	"github.com/meshcni/meshcni/pkg/taint"
-	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 // matrixCase is a set of values (--set, or @file for --values) and what its rendering

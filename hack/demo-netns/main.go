@@ -27,12 +27,12 @@ import (
 
 	"github.com/vishvananda/netlink"
 
+	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/traffic"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
-	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 

@@ -26,8 +26,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/meshcni/meshcni/internal/demo"
 	"github.com/meshcni/meshcni/internal/build/image"
+	"github.com/meshcni/meshcni/internal/demo"
 	"github.com/meshcni/meshcni/internal/testbed"
 )
 

@@ -14,8 +14,8 @@ import (
 	"slices"
 	"syscall"
 
-	"github.com/meshcni/meshcni/internal/reporoot"
 	"github.com/meshcni/meshcni/internal/build/image"
+	"github.com/meshcni/meshcni/internal/reporoot"
 )
 
 func main() {

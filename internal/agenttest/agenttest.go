@@ -44,10 +44,10 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
+	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/fileutil"
 	"github.com/meshcni/meshcni/pkg/podget"
-	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 // Binary names in the directory Binaries returns.

@@ -16,12 +16,12 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/build/image"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
 
 var update = flag.Bool("update", false, "rewrite testdata/*.golden")

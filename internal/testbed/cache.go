@@ -15,8 +15,8 @@ import (
 	"sync"
 	"time"
 
-	"github.com/meshcni/meshcni/internal/reporoot"
 	"github.com/meshcni/meshcni/internal/build/ociimage"
+	"github.com/meshcni/meshcni/internal/reporoot"
 )
 
 // KubernetesVersion is the version of k8s.io/kubernetes the test bed builds (pinned

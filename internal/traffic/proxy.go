@@ -17,8 +17,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/proxysim"
+	"github.com/meshcni/meshcni/internal/testutil"
 )
 
 // EnvProxysim names a prebuilt meshcni-proxysim binary to use instead of building one.

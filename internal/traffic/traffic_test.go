@@ -6,9 +6,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/traffic"
-	"github.com/meshcni/meshcni/internal/proxysim"
 )
 
 var appUser = traffic.Cred{UID: 1000, GID: 1000}

@@ -19,8 +19,8 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 
 	"github.com/meshcni/meshcni/internal/agenttest"
-	"github.com/meshcni/meshcni/pkg/fileutil"
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/pkg/fileutil"
 )
 
 const (

@@ -33,9 +33,9 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/meshcni/meshcni/internal/agenttest"
+	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 const (

@@ -5,11 +5,11 @@ import (
 	"net/netip"
 	"testing"
 
+	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/traffic"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 

@@ -11,8 +11,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 
-	"github.com/meshcni/meshcni/pkg/nodepods"
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/pkg/nodepods"
 )
 
 func pod(ns, name, node string) *corev1.Pod {

@@ -28,19 +28,19 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/meshcni/meshcni/internal/build/ociimage"
+	"github.com/meshcni/meshcni/internal/proxysim"
+	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/traffic"
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/internal/build/ociimage"
 	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
-	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/pkg/repair"
-	"github.com/meshcni/meshcni/internal/testbed"
 )
 
 func TestMain(m *testing.M) {

@@ -30,8 +30,8 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 
-	itestutil "github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/testbed"
+	itestutil "github.com/meshcni/meshcni/internal/testutil"
 )
 
 // The test bed is started once for the package (API-only, ≈ 4 s) and stopped by TestMain.

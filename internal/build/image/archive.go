@@ -20,8 +20,8 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 	"github.com/google/go-containerregistry/pkg/v1/types"
 
-	"github.com/meshcni/meshcni/pkg/fileutil"
 	"github.com/meshcni/meshcni/internal/build/ociimage"
+	"github.com/meshcni/meshcni/pkg/fileutil"
 )
 
 // Annotation keys on the index.json descriptor.

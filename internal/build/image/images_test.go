@@ -19,8 +19,8 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/layout"
 	"github.com/google/go-containerregistry/pkg/v1/types"
 
-	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/internal/testutil"
 )
 
 func TestParseArches(t *testing.T) {

@@ -8,12 +8,12 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/meshcni/meshcni/internal/nfttest"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/backend/nftables"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/rules/nft"
-	"github.com/meshcni/meshcni/internal/nfttest"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 

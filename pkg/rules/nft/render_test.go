@@ -8,10 +8,10 @@ import (
 	"testing"
 
 	"github.com/meshcni/meshcni/internal/conformance"
+	"github.com/meshcni/meshcni/internal/nfttest"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/rules/nft"
-	"github.com/meshcni/meshcni/internal/nfttest"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
