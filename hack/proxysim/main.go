@@ -1,12 +1,12 @@
 // Command meshcni-proxysim is a stand-in sidecar proxy for meshcni's tests and demo
-// (see pkg/proxysim). It writes one JSON line per record to stdout (the first is a
+// (see internal/proxysim). It writes one JSON line per record to stdout (the first is a
 // {"event":"ready"} record once every listener is bound) and logs JSON to stderr.
 //
 //	meshcni-proxysim [serve] [flags]     run the proxy
 //	meshcni-proxysim client [flags]      one TCP probe, prints a JSON ProbeResult
 //	meshcni-proxysim dns-client [flags]  one DNS query, prints a JSON DNSResult
 //
-// Build it static: CGO_ENABLED=0 go build ./cmd/meshcni-proxysim
+// Build it static: CGO_ENABLED=0 go build ./hack/proxysim
 package main
 
 import (

@@ -140,6 +140,8 @@ type runner struct {
 	helm   string
 	hostCt string // host meshcnictl built with the image
 	plugin string // host copy of the plugin in the image
+	// proxysimRef is the stand-in proxy image the app and the istio-proxy run.
+	proxysimRef string
 	ips    map[string]netip.Addr
 	// proxyConns counts the connections the meshed pod's proxy accepted.
 	proxyConns int
@@ -217,6 +219,16 @@ func (r *runner) install(ctx context.Context) error {
 		return err
 	}
 	r.step("image imported into the test bed's containerd")
+
+	// The stand-in sidecar proxy is a demo tool: its own image, not the product's.
+	psArchive := image.ProxysimArchive(o.RepoRoot, o.Tag)
+	if r.proxysimRef, err = image.BuildProxysim(ctx, o.RepoRoot, o.Hub, o.Tag, psArchive); err != nil {
+		return fmt.Errorf("build the stand-in proxy's image: %w", err)
+	}
+	if err := testbed.ImportImage(ctx, psArchive); err != nil {
+		return err
+	}
+	r.step("stand-in proxy image " + r.proxysimRef + " built and imported")
 
 	if r.helm, err = helmPath(ctx, o.RepoRoot); err != nil {
 		return err
@@ -407,7 +419,7 @@ func (r *runner) app(ctx context.Context) error {
 	if err := r.tb.CreateNamespace(wctx, Namespace); err != nil {
 		return err
 	}
-	pods := Pods(r.o.Hub + "/" + image.Name + ":" + r.o.Tag)
+	pods := Pods(r.o.Hub+"/"+image.Name+":"+r.o.Tag, r.proxysimRef)
 	for _, p := range pods {
 		if _, err := r.tb.CreatePod(wctx, p); err != nil {
 			return err

@@ -31,7 +31,8 @@ func TestMain(m *testing.M) { os.Exit(testbed.RunMain(m)) }
 // TestPods: the plugin's own decision logic meshes the meshed pod only, with the
 // proxy UID 1337, and no demo container asks for a capability.
 func TestPods(t *testing.T) {
-	pods := Pods("meshcni.local/meshcni:dev")
+	const product, proxysim = "meshcni.local/meshcni:dev", "meshcni.local/meshcni-proxysim:dev"
+	pods := Pods(product, proxysim)
 	want := map[string]bool{MeshedPod: true, PlainPod: false, ServerPod: false}
 	if len(pods) != len(want) {
 		t.Fatalf("%d pods", len(pods))
@@ -43,6 +44,20 @@ func TestPods(t *testing.T) {
 		d := podspec.Decide(corepod.From(p), podspec.Config{ExcludeNamespaces: []string{"kube-system"}})
 		if d.Meshed != want[p.Name] {
 			t.Errorf("%s: meshed=%v (%s), want %v", p.Name, d.Meshed, d.Reason, want[p.Name])
+		}
+		// The product image runs only the validation init container; the app and
+		// the istio-proxy stand-in run the demo tool's own image.
+		for _, c := range p.Spec.InitContainers {
+			if c.Image != product {
+				t.Errorf("%s/%s: image %s, want %s", p.Name, c.Name, c.Image, product)
+			}
+		}
+		if p.Name != ServerPod {
+			for _, c := range p.Spec.Containers {
+				if c.Image != proxysim {
+					t.Errorf("%s/%s: image %s, want %s", p.Name, c.Name, c.Image, proxysim)
+				}
+			}
 		}
 		for _, c := range append(append([]corev1.Container{}, p.Spec.InitContainers...), p.Spec.Containers...) {
 			if sc := c.SecurityContext; sc != nil && sc.Capabilities != nil && len(sc.Capabilities.Add) > 0 {

@@ -37,9 +37,10 @@ const (
 	ProxyStatus = `{"initContainers":["istio-validation"],"containers":["istio-proxy"],"volumes":[],"imagePullSecrets":null,"revision":"default"}`
 )
 
-// proxysimPath and meshcnictlPath are the tools' paths in the meshcni image.
+// proxysimPath is the stand-in proxy in its own image; meshcnictlPath is meshcnictl
+// in the meshcni image (the validation init container).
 var (
-	proxysimPath   = image.PathInImage("meshcni-proxysim")
+	proxysimPath   = image.ProxysimPath
 	meshcnictlPath = image.PathInImage("meshcnictl")
 )
 
@@ -59,10 +60,10 @@ func runAs(uid int64) *corev1.SecurityContext {
 // appContainer is the demo app: meshcni-proxysim in record mode on AppPort, which
 // answers each connection with one JSON line saying who connected (and logs it). It
 // needs no capability: that is the point of meshcni.
-func appContainer(image string) corev1.Container {
+func appContainer(proxysimImage string) corev1.Container {
 	return corev1.Container{
 		Name:            AppContainer,
-		Image:           image,
+		Image:           proxysimImage,
 		ImagePullPolicy: corev1.PullNever,
 		Command: []string{proxysimPath, "serve", "--mode=record",
 			"--outbound-port=0", "--inbound-port=" + strconv.Itoa(AppPort), "--ipv6=false"},
@@ -75,8 +76,9 @@ func labels(name string) map[string]string {
 	return map[string]string{"app": name, "app.kubernetes.io/part-of": "meshcni-demo"}
 }
 
-// Pods returns the demo's pods for the meshcni image ref.
-func Pods(image string) []*corev1.Pod {
+// Pods returns the demo's pods for the meshcni image ref (the validation init
+// container) and the stand-in proxy's image ref (the app and the istio-proxy).
+func Pods(image, proxysimImage string) []*corev1.Pod {
 	zero := int64(0)
 	server := testbed.EchoPod(ServerPod, 0)
 	server.Namespace = Namespace
@@ -86,7 +88,7 @@ func Pods(image string) []*corev1.Pod {
 		ObjectMeta: metav1.ObjectMeta{Name: PlainPod, Namespace: Namespace, Labels: labels(PlainPod)},
 		Spec: corev1.PodSpec{
 			TerminationGracePeriodSeconds: &zero,
-			Containers:                    []corev1.Container{appContainer(image)},
+			Containers:                    []corev1.Container{appContainer(proxysimImage)},
 		},
 	}
 
@@ -107,13 +109,13 @@ func Pods(image string) []*corev1.Pod {
 				SecurityContext: runAs(ProxyUID),
 			}},
 			Containers: []corev1.Container{
-				appContainer(image),
+				appContainer(proxysimImage),
 				{
 					// The stand-in for Envoy: accepts on 15001 (outbound) and 15006
 					// (inbound), reads each connection's original destination, logs it
 					// and forwards the bytes there (inbound from 127.0.0.6, as Envoy).
 					Name:            ProxyContainer,
-					Image:           image,
+					Image:           proxysimImage,
 					ImagePullPolicy: corev1.PullNever,
 					Command:         []string{proxysimPath, "serve", "--mode=forward", "--ipv6=false"},
 					Args:            []string{},

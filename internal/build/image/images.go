@@ -1,18 +1,19 @@
-// Package images builds meshcni's container image without Docker: one image,
-// "<hub>/meshcni:<tag>", holding every command of the module as a static binary
-// (CGO_ENABLED=0, -trimpath) on top of scratch, for one or more architectures.
+// Package image builds meshcni's container image without Docker: one image,
+// "<hub>/meshcni:<tag>", holding every node command of the module (cmd/*, exactly
+// NodeCommands) as a static binary (CGO_ENABLED=0, -trimpath) on top of scratch, for
+// one or more architectures. Test and demo tools have their own images
+// (BuildProxysim).
 //
 // Layout inside the image:
 //
-//	/usr/local/bin/<command>           every cmd/* main package except the plugin's two
+//	/usr/local/bin/<command>           every other node command
 //	/opt/meshcni/bin/meshcni           the CNI plugin (the agent's default --plugin-binary)
 //	/opt/meshcni/bin/meshcni-podget    its API helper, installed next to it by the agent
 //	/tmp                         01777
 //
 // The entrypoint is /usr/local/bin/meshcni-agent. The agent has to run as root (it
 // writes into the host's CNI directories), so the image sets no user; the other
-// commands can run as any UID (the demo runs meshcni-proxysim and meshcnictl validate
-// as 1337).
+// commands can run as any UID (the demo runs meshcnictl validate as 1337).
 //
 // The output is one OCI image-layout tarball (oci-layout, index.json, blobs/sha256/…)
 // whose index.json points at an OCI image index with one manifest per architecture,
@@ -64,9 +65,13 @@ const (
 	Source = "https://github.com/meshcni/meshcni"
 )
 
-// Required are the commands every image must hold; other cmd/* main packages (e.g.
-// meshcni-taint-controller) are added when they exist.
-var Required = []string{PluginCommand, HelperCommand, AgentCommand, "meshcnictl", "meshcni-proxysim"}
+// NodeCommands are the commands of the product image, and its only ones: what runs on
+// a node or in a pod (the plugin, its API helper, the agent, meshcnictl — also the
+// validation init container — and the taint controller). Commands fails when cmd/
+// holds anything else, so a test or demo tool cannot slip into the privileged image;
+// those live under hack/ and internal/ (the stand-in proxy has its own image,
+// BuildProxysim).
+var NodeCommands = []string{PluginCommand, HelperCommand, AgentCommand, "meshcnictl", "meshcni-taint-controller"}
 
 // Arch is a target architecture: GOARCH and, for arm, the GOARM level that is also
 // the OCI platform variant.
@@ -260,7 +265,7 @@ func Build(ctx context.Context, opts Options) (*Result, error) {
 }
 
 // Commands lists the module's cmd/* main packages by name (sorted) and checks that
-// the Required ones are among them.
+// they are exactly NodeCommands.
 func Commands(ctx context.Context, repoRoot string) ([]string, error) {
 	cmd := exec.CommandContext(ctx, "go", "list", "-f", "{{.Name}} {{.Dir}}", "./cmd/...")
 	cmd.Dir = repoRoot
@@ -286,10 +291,9 @@ func Commands(ctx context.Context, repoRoot string) ([]string, error) {
 		cmds = append(cmds, filepath.Base(dir))
 	}
 	slices.Sort(cmds)
-	for _, r := range Required {
-		if !slices.Contains(cmds, r) {
-			return nil, fmt.Errorf("command %s missing under %s/cmd (found %v)", r, repoRoot, cmds)
-		}
+	want := slices.Sorted(slices.Values(NodeCommands))
+	if !slices.Equal(cmds, want) {
+		return nil, fmt.Errorf("%s/cmd holds %v; the product image takes exactly the node commands %v (test and demo tools belong under hack/ or internal/)", repoRoot, cmds, want)
 	}
 	return cmds, nil
 }

@@ -100,7 +100,7 @@ func fakeBinaries(t *testing.T, arches []Arch) map[Arch]map[string]string {
 	out := map[Arch]map[string]string{}
 	for _, a := range arches {
 		m := map[string]string{}
-		for _, c := range append(slices.Clone(Required), "meshcni-taint-controller") {
+		for _, c := range NodeCommands {
 			p := filepath.Join(dir, a.GOARCH+a.Variant+"-"+c)
 			if err := os.WriteFile(p, []byte("binary "+c+" for "+a.String()+"\n"), 0o755); err != nil {
 				t.Fatal(err)
@@ -301,14 +301,22 @@ func TestAssembleMultiArch(t *testing.T) {
 			t.Errorf("manifest media type %s", mt)
 		}
 		files := layerFiles(t, img)
-		for path, cmd := range map[string]string{
+		wantFiles := map[string]string{
 			"/opt/meshcni/bin/meshcni":                "meshcni",
 			"/opt/meshcni/bin/meshcni-podget":         "meshcni-podget",
 			"/usr/local/bin/meshcni-agent":            "meshcni-agent",
 			"/usr/local/bin/meshcnictl":               "meshcnictl",
-			"/usr/local/bin/meshcni-proxysim":         "meshcni-proxysim",
 			"/usr/local/bin/meshcni-taint-controller": "meshcni-taint-controller",
-		} {
+		}
+		// The image holds the node commands and nothing else that runs.
+		for path, h := range files {
+			if h.Typeflag == tar.TypeReg {
+				if _, ok := wantFiles[path]; !ok {
+					t.Errorf("%s: unexpected file %s in the product image", want, path)
+				}
+			}
+		}
+		for path, cmd := range wantFiles {
 			h, ok := files[path]
 			if !ok {
 				t.Errorf("%s: %s missing; layer has %v", want, path, files)
@@ -376,13 +384,28 @@ func TestCommands(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, r := range Required {
-		if !slices.Contains(cmds, r) {
-			t.Errorf("Commands = %v, lacks %s", cmds, r)
+	// Written out here, not taken from NodeCommands: the product image's commands.
+	want := []string{"meshcni", "meshcni-agent", "meshcni-podget", "meshcni-taint-controller", "meshcnictl"}
+	if !slices.Equal(cmds, want) {
+		t.Errorf("Commands = %v, want exactly %v", cmds, want)
+	}
+	// A test or demo tool under cmd/ is refused, not shipped.
+	mod := t.TempDir()
+	for file, body := range map[string]string{
+		"go.mod":                       "module example.com/m\n\ngo 1.24\n",
+		"cmd/meshcni/main.go":          "package main\n\nfunc main() {}\n",
+		"cmd/meshcni-proxysim/main.go": "package main\n\nfunc main() {}\n",
+	} {
+		p := filepath.Join(mod, file)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(body), 0o644); err != nil {
+			t.Fatal(err)
 		}
 	}
-	if !slices.IsSorted(cmds) {
-		t.Errorf("not sorted: %v", cmds)
+	if _, err := Commands(context.Background(), mod); err == nil || !strings.Contains(err.Error(), "meshcni-proxysim") {
+		t.Errorf("Commands with a test tool under cmd/: %v, want an error naming it", err)
 	}
 	if _, err := Commands(context.Background(), t.TempDir()); err == nil {
 		t.Error("Commands outside a module: no error")
@@ -403,10 +426,10 @@ func TestGoBuildStatic(t *testing.T) {
 			a = Arch{GOARCH: "amd64"}
 		}
 		dir := t.TempDir()
-		if err := GoBuild(context.Background(), root, a, "v9.9.9-test", dir, []string{"meshcni-proxysim"}); err != nil {
+		if err := GoBuild(context.Background(), root, a, "v9.9.9-test", dir, []string{"meshcnictl"}); err != nil {
 			t.Fatal(err)
 		}
-		f, err := elf.Open(filepath.Join(dir, "meshcni-proxysim"))
+		f, err := elf.Open(filepath.Join(dir, "meshcnictl"))
 		if err != nil {
 			t.Fatal(err)
 		}
