@@ -142,7 +142,7 @@ type runner struct {
 	plugin string // host copy of the plugin in the image
 	// proxysimRef is the stand-in proxy image the app and the istio-proxy run.
 	proxysimRef string
-	ips    map[string]netip.Addr
+	ips         map[string]netip.Addr
 	// proxyConns counts the connections the meshed pod's proxy accepted.
 	proxyConns int
 	last       time.Time
