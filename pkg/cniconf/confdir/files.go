@@ -103,8 +103,23 @@ func idOf(fi fs.FileInfo) fileID {
 	return id
 }
 
+// maxConfigSize bounds what is read of one configuration file: real lists are a few
+// KiB; a larger file is skipped, not read into memory.
+const maxConfigSize = 1 << 20
+
+// errNotRegular and errTooLarge make a file unloadable: it is skipped like a file
+// libcni rejects.
+var (
+	errNotRegular = errors.New("not a regular file")
+	errTooLarge   = fmt.Errorf("larger than %d bytes", maxConfigSize)
+)
+
+// readFile reads a configuration file without ever blocking on it or reading it
+// without bound: symlinks are followed (as kubelet follows them), but the file is
+// opened non-blocking and must be a regular file of at most maxConfigSize bytes
+// (a FIFO or device named *.conflist is refused, not opened for a read that waits).
 func readFile(path string) (data []byte, mode fs.FileMode, id fileID, err error) {
-	f, err := os.Open(path)
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK|syscall.O_NOCTTY, 0)
 	if err != nil {
 		return nil, 0, id, err
 	}
@@ -114,10 +129,21 @@ func readFile(path string) (data []byte, mode fs.FileMode, id fileID, err error)
 		return nil, 0, id, err
 	}
 	if !fi.Mode().IsRegular() {
-		return nil, 0, id, fmt.Errorf("%s is not a regular file", path)
+		return nil, 0, id, fmt.Errorf("%s: %w (%s)", path, errNotRegular, fi.Mode().Type())
 	}
-	data, err = io.ReadAll(f)
+	if fi.Size() > maxConfigSize {
+		return nil, 0, id, fmt.Errorf("%s: %w", path, errTooLarge)
+	}
+	data, err = io.ReadAll(io.LimitReader(f, maxConfigSize+1))
+	if err == nil && len(data) > maxConfigSize {
+		err = fmt.Errorf("%s: %w", path, errTooLarge)
+	}
 	return data, fi.Mode().Perm(), idOf(fi), err
+}
+
+// unloadable reports a read error that makes a file one to skip, not a failure.
+func unloadable(err error) bool {
+	return errors.Is(err, errNotRegular) || errors.Is(err, errTooLarge)
 }
 
 // ListFiles returns the configuration files of dir in the order kubelet tries them.
@@ -153,6 +179,10 @@ func FindPrimary(dir, fileName string) (p *Primary, skipped []Skipped, err error
 		data, mode, id, err := readFile(path)
 		if errors.Is(err, fs.ErrNotExist) {
 			continue // removed since listed
+		}
+		if unloadable(err) && fileName == "" {
+			skipped = append(skipped, Skipped{Path: path, Err: err})
+			continue
 		}
 		if err != nil {
 			return nil, skipped, fmt.Errorf("read CNI configuration: %w", err)
@@ -219,11 +249,11 @@ func installStandalone(o Options) (Result, error) {
 		return Result{}, err
 	}
 	res := Result{Path: path}
-	have, err := os.ReadFile(path)
+	have, _, _, err := readFile(path)
 	if err == nil && bytes.Equal(have, want) {
 		return res, nil
 	}
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+	if err != nil && !errors.Is(err, fs.ErrNotExist) && !unloadable(err) {
 		return res, fmt.Errorf("read %s: %w", path, err)
 	}
 	res.Missing = err != nil || cniconf.CheckEntry(have, o.Entry) != nil
@@ -345,7 +375,7 @@ func Uninstall(o Options) ([]string, error) {
 func Check(o Options) (string, error) {
 	if !o.Chained {
 		path := o.standalonePath()
-		data, err := os.ReadFile(path)
+		data, _, _, err := readFile(path)
 		if err != nil {
 			return path, err
 		}
