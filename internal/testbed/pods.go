@@ -9,7 +9,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/containernetworking/plugins/pkg/ns"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -19,6 +18,8 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/tools/remotecommand"
+
+	"github.com/meshcni/meshcni/pkg/netnsutil"
 )
 
 // EchoPod returns a pod running EchoImage (imagePullPolicy Never) in namespace
@@ -249,13 +250,13 @@ func (tb *Testbed) PodNetns(ctx context.Context, namespace, name string) (string
 }
 
 // InPodNetns runs fn on a locked OS thread inside the pod's network namespace
-// (ns.WithNetNSPath): sockets opened and netlink calls made by fn happen there.
+// (netnsutil.Do): sockets opened and netlink calls made by fn happen there.
 func (tb *Testbed) InPodNetns(ctx context.Context, namespace, name string, fn func() error) error {
 	path, err := tb.PodNetns(ctx, namespace, name)
 	if err != nil {
 		return err
 	}
-	return ns.WithNetNSPath(path, func(ns.NetNS) error { return fn() })
+	return netnsutil.Do(path, fn)
 }
 
 // WaitDaemonSet waits until a DaemonSet's pods are all scheduled, updated and

@@ -14,8 +14,9 @@ import (
 	"sync/atomic"
 	"testing"
 
-	"github.com/containernetworking/plugins/pkg/ns"
 	"golang.org/x/sys/unix"
+
+	"github.com/meshcni/meshcni/pkg/netnsutil"
 )
 
 // InCI reports whether the tests run under CI (CI=true).
@@ -136,7 +137,7 @@ func CreateNetns(name string) (string, error) {
 		os.Remove(path)
 		return "", err
 	}
-	if err := ns.WithNetNSPath(path, func(ns.NetNS) error { return LinkUp("lo") }); err != nil {
+	if err := netnsutil.Do(path, func() error { return LinkUp("lo") }); err != nil {
 		_ = DeleteNetns(path)
 		return "", err
 	}

@@ -5,15 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"os/exec"
-	"runtime"
 	"syscall"
 	"testing"
 	"time"
 
-	"github.com/containernetworking/plugins/pkg/ns"
 	"golang.org/x/sys/unix"
 
 	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/pkg/netnsutil"
 )
 
 // ProxyUID is Istio's proxy UID and GID (istio-proxy, 1337).
@@ -51,27 +50,19 @@ func StartInNetns(nsPath string, cred Cred, cmd *exec.Cmd) (<-chan error, error)
 	started := make(chan error, 1)
 	done := make(chan error, 1)
 	go func() {
-		// Never UnlockOSThread: this thread ends up in another namespace, so it must
-		// exit with the goroutine. It also anchors Pdeathsig: it lives until the child
-		// has been waited for.
-		runtime.LockOSThread()
-		target, err := ns.GetNS(nsPath)
+		// The child is started and waited for on Do's thread in the namespace: that
+		// thread anchors Pdeathsig, it lives until the child has been waited for.
+		err := netnsutil.Do(nsPath, func() error {
+			if err := cmd.Start(); err != nil {
+				return fmt.Errorf("start %s: %w", cmd.Path, err)
+			}
+			started <- nil
+			done <- cmd.Wait()
+			return nil
+		})
 		if err != nil {
-			started <- fmt.Errorf("open netns %s: %w", nsPath, err)
-			return
+			started <- err
 		}
-		err = target.Set()
-		target.Close()
-		if err != nil {
-			started <- fmt.Errorf("enter netns %s: %w", nsPath, err)
-			return
-		}
-		if err := cmd.Start(); err != nil {
-			started <- fmt.Errorf("start %s: %w", cmd.Path, err)
-			return
-		}
-		started <- nil
-		done <- cmd.Wait()
 	}()
 	if err := <-started; err != nil {
 		return nil, err
@@ -148,5 +139,5 @@ func Iptables(t testing.TB, nsPath string, v6 bool, args ...string) {
 
 // InNetns runs fn on a thread inside the namespace (for in-process sockets).
 func InNetns(nsPath string, fn func() error) error {
-	return ns.WithNetNSPath(nsPath, func(ns.NetNS) error { return fn() })
+	return netnsutil.Do(nsPath, fn)
 }

@@ -6,11 +6,11 @@ import (
 	"net/netip"
 	"testing"
 
-	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/pkg/netnsutil"
 )
 
 // Default addressing of a Pod's eth0 link.
@@ -85,16 +85,16 @@ func NewPod(t testing.TB, opts ...PodOption) *Pod {
 
 // wire creates the veth, addresses both sides and, for eth0, default routes both ways.
 func wire(podNS string, l Link, defaultRoutes bool) error {
-	peerNS, err := ns.GetNS(l.PeerNetNS)
+	peerNS, err := netnsutil.Open(l.PeerNetNS)
 	if err != nil {
 		return err
 	}
-	defer peerNS.Close()
+	defer unix.Close(peerNS)
 	err = InNetns(podNS, func() error {
 		veth := &netlink.Veth{
 			LinkAttrs:     netlink.LinkAttrs{Name: l.Name},
 			PeerName:      l.PeerName,
-			PeerNamespace: netlink.NsFd(int(peerNS.Fd())),
+			PeerNamespace: netlink.NsFd(peerNS),
 		}
 		if err := netlink.LinkAdd(veth); err != nil {
 			return fmt.Errorf("add veth %s: %w", l.Name, err)

@@ -1,7 +1,9 @@
 // Package engine is the one entry point the plugin, the agent's repair and
 // meshcnictl use to program a pod: it validates the spec, builds the ruleset,
 // chooses a backend, writes the rules and (for TPROXY / IPv6) the policy routing
-// and the ::6 passthrough address, all-or-nothing.
+// and the ::6 passthrough address (pkg/policyroute), and rolls the rules back when
+// the routing fails: all-or-nothing. The backends detect and clean their own
+// tables; the engine only orchestrates them.
 package engine
 
 import (
@@ -11,6 +13,8 @@ import (
 	"log/slog"
 
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/backend/nftables"
+	"github.com/meshcni/meshcni/pkg/policyroute"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -42,8 +46,8 @@ func (o Options) log() *slog.Logger {
 
 // Apply writes the pod's redirect and returns the backend that did it. An explicit
 // backend is used without probing the namespace; backend.Auto chooses with one
-// netlink listing (the chosen backend then reads what it needs itself). The policy routing / ::6 step runs only when the ruleset needs it
-// (TPROXY or IPv6).
+// netlink listing (the chosen backend then reads what it needs itself). The policy
+// routing / ::6 step runs only when the ruleset needs it (TPROXY or IPv6).
 func Apply(ctx context.Context, o Options, s *spec.Spec) (backend.Kind, error) {
 	if err := s.Validate(); err != nil {
 		return "", fmt.Errorf("invalid redirect spec: %w", err)
@@ -60,7 +64,7 @@ func Apply(ctx context.Context, o Options, s *spec.Spec) (backend.Kind, error) {
 	if err := b.Apply(ctx, o.NetnsPath, rs); err != nil {
 		return b.Kind(), fmt.Errorf("apply rules with %s: %w", b.Kind(), err)
 	}
-	if err := applyNetwork(o.NetnsPath, rs); err != nil {
+	if err := policyroute.Apply(o.NetnsPath, rs); err != nil {
 		if cerr := b.Clean(ctx, o.NetnsPath); cerr != nil {
 			err = errors.Join(err, fmt.Errorf("roll back rules: %w", cerr))
 		}
@@ -83,7 +87,7 @@ func Check(ctx context.Context, o Options, s *spec.Spec) (backend.Drift, error) 
 	if err != nil {
 		return d, fmt.Errorf("check rules with %s: %w", b.Kind(), err)
 	}
-	missing, err := checkNetwork(o.NetnsPath, rs)
+	missing, err := policyroute.Check(o.NetnsPath, rs)
 	if err != nil {
 		return d, fmt.Errorf("check policy routing: %w", err)
 	}
@@ -112,7 +116,7 @@ func Clean(ctx context.Context, o Options) error {
 		if err := withSockets(b, socks).Clean(ctx, o.NetnsPath); err != nil {
 			errs = append(errs, fmt.Errorf("clean %s: %w", o.Backend, err))
 		}
-		if err := cleanNetwork(o.NetnsPath); err != nil {
+		if err := policyroute.Clean(o.NetnsPath); err != nil {
 			errs = append(errs, fmt.Errorf("clean policy routing: %w", err))
 		}
 		return errors.Join(errs...)
@@ -133,16 +137,14 @@ func Clean(ctx context.Context, o Options) error {
 // (deleting meshcni's tables, iptables-nft when an ISTIO_* chain is found there):
 // iptables-legacy and the policy routing are still cleaned.
 func cleanSession(ctx context.Context, o Options, ss *session) error {
-	p, err := probeTables(ss.nf, true) // on an error listing chains, p.ours is still known
+	p, listed, err := probeTables(ss.nf, true) // on an error listing chains, listed is still known
 	if err != nil {
 		err = fmt.Errorf("clean %s in netns %q: %w", backend.Nftables, o.NetnsPath, err)
 	}
-	if len(p.ours) > 0 {
-		if ferr := deleteTables(ss.nf, p.ours); ferr != nil {
-			err = errors.Join(err, fmt.Errorf("clean %s: delete tables in netns %q: %w", backend.Nftables, o.NetnsPath, ferr))
-		} else {
-			o.log().Debug("nftables tables deleted", "netns", o.NetnsPath, "tables", len(p.ours))
-		}
+	if n, ferr := nftables.CleanTables(ss.nf, listed); ferr != nil {
+		err = errors.Join(err, fmt.Errorf("clean %s in netns %q: %w", backend.Nftables, o.NetnsPath, ferr))
+	} else if n > 0 {
+		o.log().Debug("nftables tables deleted", "netns", o.NetnsPath, "tables", n)
 	}
 	ss.closeNf()
 	errs := []error{err}
@@ -163,7 +165,7 @@ func cleanSession(ctx context.Context, o Options, ss *session) error {
 			errs = append(errs, fmt.Errorf("clean %s: %w", k, err))
 		}
 	}
-	if err := cleanRouting(ss.rt, ss.ipv6); err != nil {
+	if err := policyroute.CleanConn(ss.rt, ss.ipv6); err != nil {
 		errs = append(errs, fmt.Errorf("clean policy routing: %w", err))
 	}
 	return errors.Join(errs...)

@@ -1,10 +1,6 @@
 package engine
 
-import (
-	"github.com/google/nftables"
-	"github.com/mdlayher/netlink"
-	"golang.org/x/sys/unix"
-)
+import "golang.org/x/sys/unix"
 
 // sockets keeps a duplicate of every nftables netlink socket the engine opens, so
 // that the engine, not the code that used the socket, makes its last close.
@@ -20,22 +16,8 @@ type sockets struct {
 	fds []int
 }
 
-// opt returns the socket option that records a duplicate (nil receiver: no-op).
-func (s *sockets) opt() nftables.SockOption {
-	return func(c *netlink.Conn) error {
-		if s == nil {
-			return nil
-		}
-		rc, err := c.SyscallConn()
-		if err != nil {
-			return nil // best effort: the socket then closes as usual
-		}
-		_ = rc.Control(func(fd uintptr) { s.record(int(fd)) })
-		return nil
-	}
-}
-
-// record keeps a duplicate of fd (nil receiver: no-op; best effort, as opt).
+// record keeps a duplicate of fd (nil receiver: no-op; best effort: without a
+// duplicate the socket closes as usual).
 func (s *sockets) record(fd int) {
 	if s == nil {
 		return

@@ -133,8 +133,8 @@ func (v *Values) Spec() (*spec.Spec, error) {
 	if s.TProxyRouteTable, err = spec.ParseID(fieldName("istio-inbound-tproxy-route-table"), v.TProxyRouteTable); err != nil {
 		return nil, err
 	}
-	if !UsableRouteTable(s.TProxyRouteTable) {
-		return nil, &spec.FieldError{Field: fieldName("istio-inbound-tproxy-route-table"), Value: v.TProxyRouteTable, Reason: "route tables 0 and 252-255 are reserved"}
+	if !spec.UsableRouteTable(s.TProxyRouteTable) {
+		return nil, &spec.FieldError{Field: fieldName("istio-inbound-tproxy-route-table"), Value: v.TProxyRouteTable, Reason: spec.ReservedRouteTables}
 	}
 	if s.InboundPorts, err = spec.ParsePortSet(fieldName("istio-inbound-ports"), v.InboundPorts); err != nil {
 		return nil, err
@@ -229,11 +229,4 @@ func ResolvConfServers(data []byte) (v4, v6 []netip.Addr) {
 		}
 	}
 	return v4, v6
-}
-
-// UsableRouteTable reports whether t can be a TPROXY route table: not 0
-// (unspecified) nor 252-255 (the kernel's compat, default, main and local
-// tables). The engine's Clean uses it too, to recognise meshcni's policy rules.
-func UsableRouteTable(t uint32) bool {
-	return t != 0 && (t < 252 || t > 255)
 }

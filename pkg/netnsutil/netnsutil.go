@@ -1,26 +1,89 @@
-// Package netnsutil runs code and commands inside a network namespace given by path.
+// Package netnsutil is meshcni's one way into a network namespace given by path:
+// Do runs code there, Exec a program, Open hands a library the namespace's file
+// descriptor (google/nftables' WithNetNSFd, a veth's peer namespace), InScratch
+// runs code in a new, empty namespace.
 package netnsutil
 
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os/exec"
 	"runtime"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/containernetworking/plugins/pkg/ns"
 )
 
-// Do runs f with the calling goroutine's thread in the namespace at path ("" runs f
-// in the current namespace).
+// Do runs f on a thread in the namespace at path ("": f runs on the calling
+// goroutine, in its thread's current namespace). f runs on a goroutine of its own,
+// locked to its thread, which moves the thread back and unlocks it when f returns
+// or panics; the caller's thread never moves. If the move back fails (it cannot,
+// short of the kernel refusing to return to a namespace the thread just left), the
+// goroutine exits still locked, so the runtime ends the thread and no goroutine
+// ever runs in the pod's namespace by mistake: the agent, a long-lived process,
+// probes through here. A panic in f is raised again in the caller.
 func Do(path string, f func() error) error {
 	if path == "" {
 		return f()
 	}
-	return ns.WithNetNSPath(path, func(ns.NetNS) error { return f() })
+	fd, err := Open(path)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	type result struct {
+		err      error
+		panicked bool
+		p        any
+	}
+	done := make(chan result, 1)
+	go func() {
+		var res result
+		defer func() { done <- res }()
+		runtime.LockOSThread()
+		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			runtime.UnlockOSThread()
+			res.err = fmt.Errorf("open the thread's netns: %w", err)
+			return
+		}
+		defer unix.Close(orig)
+		if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread() // a failed setns leaves the thread where it was
+			res.err = fmt.Errorf("enter netns %s: %w", path, err)
+			return
+		}
+		defer func() {
+			if p := recover(); p != nil {
+				res.panicked, res.p = true, p
+			}
+			if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
+				// Still locked: the thread ends with the goroutine.
+				res.err = errors.Join(res.err, fmt.Errorf("leave netns %s (its thread is discarded): %w", path, err))
+				return
+			}
+			runtime.UnlockOSThread()
+		}()
+		res.err = f()
+	}()
+	res := <-done
+	if res.panicked {
+		panic(res.p)
+	}
+	return res.err
+}
+
+// Open opens the namespace at path and returns its file descriptor (close-on-exec),
+// for libraries that enter a namespace themselves given its descriptor. The caller
+// closes it.
+func Open(path string) (int, error) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("open netns %s: %w", path, err)
+	}
+	return fd, nil
 }
 
 // Exec runs a program (never a shell) inside the namespace at path, with stdin and

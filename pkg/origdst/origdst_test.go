@@ -9,17 +9,17 @@ import (
 	"testing"
 	"time"
 
-	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 
 	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/origdst"
 )
 
 // inNetns runs fn on a thread inside the namespace at path.
 func inNetns(t *testing.T, path string, fn func() error) {
 	t.Helper()
-	if err := ns.WithNetNSPath(path, func(ns.NetNS) error { return fn() }); err != nil {
+	if err := netnsutil.Do(path, fn); err != nil {
 		t.Fatal(err)
 	}
 }

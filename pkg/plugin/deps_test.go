@@ -42,6 +42,8 @@ func TestPluginLinksNoKubernetes(t *testing.T) {
 		"sigs.k8s.io/yaml",
 		"github.com/gogo/protobuf/",
 		"google.golang.org/protobuf/",
+		"github.com/spf13/pflag", // flag parsing: meshcnictl's and the agent's, not the plugin's
+		"github.com/spf13/cobra",
 	}
 	for _, d := range deps {
 		for _, f := range forbidden {

@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"strconv"
 )
 
 // Mode is the inbound interception mode.
@@ -196,6 +197,9 @@ func (s *Spec) Validate() error {
 		if p.v == 0 {
 			bad(p.name, "0", "port must be 1-65535")
 		}
+	}
+	if !UsableRouteTable(s.TProxyRouteTable) {
+		bad("TPROXY route table", strconv.FormatUint(uint64(s.TProxyRouteTable), 10), ReservedRouteTables)
 	}
 	if len(s.ProxyUIDs) == 0 && len(s.ProxyGIDs) == 0 {
 		bad("proxy UID/GID", "", "at least one proxy UID or GID is required, or the proxy's own traffic would be captured")

@@ -217,7 +217,7 @@ func (b *Backend) Check(ctx context.Context, netnsPath string, rs *rules.Ruleset
 	if err != nil {
 		return d, fmt.Errorf("nftables check: %w", err)
 	}
-	c, closeConn, err := Dial(netnsPath)
+	c, closeConn, err := Dial(netnsPath, nil)
 	if err != nil {
 		return d, fmt.Errorf("nftables check: %w", err)
 	}
@@ -330,7 +330,7 @@ func (b *Backend) Live(ctx context.Context, netnsPath string) (string, error) {
 	if err := ctx.Err(); err != nil {
 		return "", err
 	}
-	c, closeConn, err := Dial(netnsPath)
+	c, closeConn, err := Dial(netnsPath, nil)
 	if err != nil {
 		return "", fmt.Errorf("nftables live: %w", err)
 	}

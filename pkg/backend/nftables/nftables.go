@@ -16,9 +16,11 @@
 //	text, err := b.Live(ctx, "/run/netns/pod")   // meshcni's live rules, nft-like text
 //	err = b.Clean(ctx, "/run/netns/pod")         // delete the three tables, nothing else
 //
-// A netns path "" means the caller's current network namespace. The namespace is
-// entered by passing its file descriptor to the netlink socket; the calling thread
-// never switches namespace.
+// A netns path "" means the caller's current network namespace. Apply, Check and
+// Live enter the namespace by passing its file descriptor to the netlink socket
+// (the calling thread never switches namespace); Clean opens its socket there
+// (netnsutil.Do) and lists and deletes over internal/nl, as the engine's Clean
+// (backend auto) does with the same CleanTables.
 //
 // Apply lists meshcni's tables, then sends one batch, committed by the kernel as one
 // transaction: each of the three tables that is present is added (so the delete cannot
@@ -38,9 +40,11 @@ import (
 	"time"
 
 	gnft "github.com/google/nftables"
+	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/rules/nft"
 )
@@ -51,9 +55,10 @@ type Backend struct {
 	GroupFile string
 	// Log receives debug records of what was applied (slog.Default() if nil).
 	Log *slog.Logger
-	// SockOptions are applied to the netlink socket of Apply and Clean (pkg/engine uses
-	// one to keep a duplicate of the socket, whose last close it then controls).
-	SockOptions []gnft.SockOption
+	// OnSocket, when set, is called with every nfnetlink socket Apply and Clean open,
+	// before it is used (pkg/engine keeps a duplicate of it, whose last close it then
+	// controls).
+	OnSocket func(fd int)
 }
 
 var _ backend.Backend = (*Backend)(nil)
@@ -79,19 +84,26 @@ func (b *Backend) groupFile() string {
 }
 
 // Dial opens a lasting netlink connection into the namespace at netnsPath ("" = the
-// current one) by file descriptor: the calling thread never switches namespace (on a
-// thread locked into the namespace every wait on the socket would cost a thread
-// hand-off). sockOpts apply to its socket. close must be called when done.
-func Dial(netnsPath string, sockOpts ...gnft.SockOption) (c *gnft.Conn, close func(), err error) {
+// current one) by file descriptor (netnsutil.Open): the calling thread never
+// switches namespace (on a thread locked into the namespace every wait on the
+// socket would cost a thread hand-off). onSocket (nil: none) is called with its
+// socket. close must be called when done.
+func Dial(netnsPath string, onSocket func(fd int)) (c *gnft.Conn, close func(), err error) {
 	opts := []gnft.ConnOption{gnft.AsLasting()}
-	if len(sockOpts) > 0 {
-		opts = append(opts, gnft.WithSockOptions(sockOpts...))
+	if onSocket != nil {
+		opts = append(opts, gnft.WithSockOptions(func(c *netlink.Conn) error {
+			rc, err := c.SyscallConn()
+			if err != nil {
+				return nil // best effort: the socket then closes as usual
+			}
+			_ = rc.Control(func(fd uintptr) { onSocket(int(fd)) })
+			return nil
+		}))
 	}
 	fd := -1
 	if netnsPath != "" {
-		fd, err = unix.Open(netnsPath, unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return nil, nil, fmt.Errorf("open netns %s: %w", netnsPath, err)
+		if fd, err = netnsutil.Open(netnsPath); err != nil {
+			return nil, nil, err
 		}
 		opts = append(opts, gnft.WithNetNSFd(fd))
 	}
@@ -167,7 +179,7 @@ func (b *Backend) Apply(ctx context.Context, netnsPath string, rs *rules.Ruleset
 	if err != nil {
 		return fmt.Errorf("nftables apply: %w", err)
 	}
-	c, closeConn, err := Dial(netnsPath, b.SockOptions...)
+	c, closeConn, err := Dial(netnsPath, b.OnSocket)
 	if err != nil {
 		return fmt.Errorf("nftables apply: %w", err)
 	}
@@ -238,33 +250,6 @@ func (b *Backend) send(c *gnft.Conn, tables []desiredTable) (int, error) {
 		}
 	}
 	return nrules, c.Flush()
-}
-
-// Clean deletes meshcni's three tables, those present, in one batch.
-func (b *Backend) Clean(ctx context.Context, netnsPath string) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	c, closeConn, err := Dial(netnsPath, b.SockOptions...)
-	if err != nil {
-		return fmt.Errorf("nftables clean: %w", err)
-	}
-	defer closeConn()
-	present, err := ourTables(c)
-	if err != nil {
-		return fmt.Errorf("nftables clean in netns %q: %w", netnsPath, err)
-	}
-	if len(present) == 0 {
-		return nil
-	}
-	for _, t := range present {
-		c.DelTable(t)
-	}
-	if err := c.Flush(); err != nil {
-		return fmt.Errorf("nftables clean in netns %q: delete tables: %w", netnsPath, err)
-	}
-	b.log().Debug("nftables tables deleted", "netns", netnsPath, "tables", len(present))
-	return nil
 }
 
 // ourTables lists meshcni's inet tables present in the namespace, in nft.Tables order.

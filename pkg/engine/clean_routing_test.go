@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -13,6 +12,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/meshcni/meshcni/internal/nl"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
@@ -144,14 +144,14 @@ func TestCleanManyForeignRules(t *testing.T) {
 		t.Fatal(err)
 	}
 	size := 0
-	if err := ss.rt.dump(unix.RTM_GETRULE, make([]byte, unix.SizeofRtMsg), func() { size = 0 }, func(_ uint16, data []byte) {
+	if err := ss.rt.Dump(unix.RTM_GETRULE, make([]byte, unix.SizeofRtMsg), func() { size = 0 }, func(_ uint16, data []byte) {
 		size += unix.SizeofNlMsghdr + len(data)
 	}); err != nil {
 		t.Fatal(err)
 	}
 	ss.close()
-	if size <= nlBufSize {
-		t.Fatalf("rule dump of %d bytes fits one receive of %d", size, nlBufSize)
+	if size <= nl.BufSize {
+		t.Fatalf("rule dump of %d bytes fits one receive of %d", size, nl.BufSize)
 	}
 	if err := Clean(context.Background(), Options{Backend: backend.Auto, NetnsPath: netns}); err != nil {
 		t.Fatal(err)
@@ -196,7 +196,7 @@ func TestCleanNftListingFails(t *testing.T) {
 	if !ss.legacy {
 		t.Fatal("session: no iptables-legacy tables after apply")
 	}
-	ss.nf.close() // every request on it now fails (EBADF)
+	ss.nf.Close() // every request on it now fails (EBADF)
 	err = cleanSession(ctx, Options{Backend: backend.Auto, NetnsPath: netns}, ss)
 	if !errors.Is(err, unix.EBADF) || !strings.Contains(err.Error(), "nftables") {
 		t.Fatalf("clean with a failing listing = %v, want its EBADF", err)
@@ -210,66 +210,5 @@ func TestCleanNftListingFails(t *testing.T) {
 	}
 	if got := fwmarkRules(t, netns); len(got) != 0 {
 		t.Errorf("fwmark rules left: %v", got)
-	}
-}
-
-// threadNetns identifies the calling thread's network namespace.
-func threadNetns(t *testing.T) uint64 {
-	t.Helper()
-	var st unix.Stat_t
-	if err := unix.Stat("/proc/thread-self/ns/net", &st); err != nil {
-		t.Fatal(err)
-	}
-	return st.Ino
-}
-
-// TestInNetns: f runs in the namespace; the caller's thread never leaves its own,
-// also when f fails or panics (the panic reaches the caller).
-func TestInNetns(t *testing.T) {
-	testutil.RequireRoot(t)
-	netns := testutil.NewNetns(t)
-	var st unix.Stat_t
-	if err := unix.Stat(netns, &st); err != nil {
-		t.Fatal(err)
-	}
-	target := st.Ino
-	runtime.LockOSThread() // the test's own thread, whose namespace is checked
-	defer runtime.UnlockOSThread()
-	home := threadNetns(t)
-	errBoom := errors.New("boom")
-	for _, tc := range []struct {
-		name  string
-		f     func() error
-		panic bool
-		err   error
-	}{
-		{"returns", func() error { return nil }, false, nil},
-		{"fails", func() error { return errBoom }, false, errBoom},
-		{"panics", func() error { panic("boom") }, true, nil},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			var inside uint64
-			var recovered any
-			err := func() (err error) {
-				defer func() { recovered = recover() }()
-				return inNetns(netns, func() error {
-					var st unix.Stat_t
-					if err := unix.Stat("/proc/thread-self/ns/net", &st); err != nil {
-						return err
-					}
-					inside = st.Ino
-					return tc.f()
-				})
-			}()
-			if inside != target {
-				t.Errorf("f ran in netns %d, want %d", inside, target)
-			}
-			if (recovered != nil) != tc.panic || !errors.Is(err, tc.err) {
-				t.Errorf("inNetns = %v (panic %v)", err, recovered)
-			}
-		})
-		if got := threadNetns(t); got != home {
-			t.Fatalf("after %s: the caller's thread is in netns %d, want %d", tc.name, got, home)
-		}
 	}
 }

@@ -1,4 +1,4 @@
-package engine
+package nl
 
 import (
 	"bytes"
@@ -10,10 +10,12 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/meshcni/meshcni/internal/nl/nltest"
 )
 
 // TestNetlinkEncoding: attributes and messages are padded to 4 bytes, their
-// lengths exclude the padding, and attrs reads back what appendAttr wrote (string
+// lengths exclude the padding, and Attrs reads back what AppendAttr wrote (string
 // attributes without their NUL), stopping at a malformed length instead of reading
 // past it.
 func TestNetlinkEncoding(t *testing.T) {
@@ -30,13 +32,13 @@ func TestNetlinkEncoding(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			var b []byte
 			for i, v := range tc.vals {
-				b = appendAttr(b, uint16(i+1), v)
+				b = AppendAttr(b, uint16(i+1), v)
 			}
 			if len(b) != tc.wantLen {
 				t.Fatalf("appended %d bytes, want %d", len(b), tc.wantLen)
 			}
 			var got [][]byte
-			attrs(b, func(typ uint16, val []byte) {
+			Attrs(b, func(typ uint16, val []byte) {
 				if int(typ) != len(got)+1 {
 					t.Errorf("attribute type %d, want %d", typ, len(got)+1)
 				}
@@ -50,7 +52,7 @@ func TestNetlinkEncoding(t *testing.T) {
 					t.Errorf("attribute %d = %q, want %q", i+1, got[i], tc.vals[i])
 				}
 			}
-			msg := appendMsg(nil, 7, unix.NLM_F_ACK, 42, b[:len(b)-1]) // an unaligned body
+			msg := AppendMsg(nil, 7, unix.NLM_F_ACK, 42, b[:len(b)-1]) // an unaligned body
 			if len(msg)%4 != 0 || binary.NativeEndian.Uint32(msg[0:4]) != uint32(unix.SizeofNlMsghdr+len(b)-1) ||
 				binary.NativeEndian.Uint16(msg[6:8]) != unix.NLM_F_ACK|unix.NLM_F_REQUEST || binary.NativeEndian.Uint32(msg[8:12]) != 42 {
 				t.Errorf("message header % x (len %d)", msg[:16], len(msg))
@@ -58,56 +60,31 @@ func TestNetlinkEncoding(t *testing.T) {
 		})
 	}
 	// A length running past the buffer ends the walk.
-	bad := appendAttr(nil, 1, []byte("ok\x00"))
+	bad := AppendAttr(nil, 1, []byte("ok\x00"))
 	bad = append(bad, 0xff, 0x00, 2, 0)
 	n := 0
-	attrs(bad, func(uint16, []byte) { n++ })
+	Attrs(bad, func(uint16, []byte) { n++ })
 	if n != 1 {
 		t.Fatalf("read %d attributes of a truncated list, want 1", n)
 	}
-	if s := nfString(appendAttr(nil, unix.NFTA_TABLE_NAME, []byte("istio-proxy-nat\x00")), unix.NFTA_TABLE_NAME); s != "istio-proxy-nat" {
-		t.Fatalf("nfString = %q", s)
+	if s := NfString(AppendAttr(nil, unix.NFTA_TABLE_NAME, []byte("istio-proxy-nat\x00")), unix.NFTA_TABLE_NAME); s != "istio-proxy-nat" {
+		t.Fatalf("NfString = %q", s)
 	}
 }
-
-// rawMsg is one netlink message as the kernel writes it: header, body, and the
-// padding to 4 bytes unless unpadded.
-func rawMsg(typ, flags uint16, seq uint32, body []byte, unpadded bool) []byte {
-	b := make([]byte, unix.SizeofNlMsghdr, unix.SizeofNlMsghdr+len(body)+3)
-	binary.NativeEndian.PutUint32(b[0:4], uint32(unix.SizeofNlMsghdr+len(body)))
-	binary.NativeEndian.PutUint16(b[4:6], typ)
-	binary.NativeEndian.PutUint16(b[6:8], flags)
-	binary.NativeEndian.PutUint32(b[8:12], seq)
-	b = append(b, body...)
-	if !unpadded {
-		for len(b)%4 != 0 {
-			b = append(b, 0)
-		}
-	}
-	return b
-}
-
-// errnoBody is an NLMSG_DONE or NLMSG_ERROR payload: the negated errno (0: none).
-func errnoBody(e unix.Errno) []byte {
-	return binary.NativeEndian.AppendUint32(nil, uint32(-int32(e)))
-}
-
-// cat joins messages into one receive's buffer.
-func cat(msgs ...[]byte) []byte { return bytes.Join(msgs, nil) }
 
 // TestNlWalk: the walk of the replies to one request over one or more receives:
 // every message of the request is handed over, replies to other requests are
 // skipped, a done message ends it with the error it carries, a dump flagged
-// NLM_F_DUMP_INTR ends in errDumpInterrupted (after all of it), an acknowledgement
+// NLM_F_DUMP_INTR ends in ErrDumpInterrupted (after all of it), an acknowledgement
 // ends it with its errno, malformed lengths are errors, and a last message without
 // its padding is read without running past the buffer.
 func TestNlWalk(t *testing.T) {
 	const seq = 7
 	rule := func(flags uint16, seq uint32) []byte {
-		return rawMsg(unix.RTM_NEWRULE, flags|unix.NLM_F_MULTI, seq, make([]byte, 12), false)
+		return nltest.Msg(unix.RTM_NEWRULE, flags|unix.NLM_F_MULTI, seq, make([]byte, 12), false)
 	}
 	done := func(flags uint16, seq uint32, body []byte) []byte {
-		return rawMsg(unix.NLMSG_DONE, flags|unix.NLM_F_MULTI, seq, body, false)
+		return nltest.Msg(unix.NLMSG_DONE, flags|unix.NLM_F_MULTI, seq, body, false)
 	}
 	for _, tc := range []struct {
 		name      string
@@ -116,23 +93,23 @@ func TestNlWalk(t *testing.T) {
 		wantDone  bool
 		wantErr   error // errors.Is; nil: none; errMalformed: any error naming a length
 	}{
-		{"multi-message buffer", [][]byte{cat(rule(0, seq), rule(0, seq), done(0, seq, errnoBody(0)))}, []int{12, 12}, true, nil},
-		{"over two receives", [][]byte{cat(rule(0, seq), rule(0, seq)), done(0, seq, errnoBody(0))}, []int{12, 12}, true, nil},
+		{"multi-message buffer", [][]byte{nltest.Cat(rule(0, seq), rule(0, seq), done(0, seq, nltest.Errno(0)))}, []int{12, 12}, true, nil},
+		{"over two receives", [][]byte{nltest.Cat(rule(0, seq), rule(0, seq)), done(0, seq, nltest.Errno(0))}, []int{12, 12}, true, nil},
 		{"unfinished", [][]byte{rule(0, seq)}, []int{12}, false, nil},
-		{"done without payload", [][]byte{cat(rule(0, seq), done(0, seq, nil))}, []int{12}, true, nil},
-		{"done with an error", [][]byte{cat(rule(0, seq), done(0, seq, errnoBody(unix.EBUSY)))}, []int{12}, true, unix.EBUSY},
-		{"dump interrupted", [][]byte{cat(rule(0, seq), rule(unix.NLM_F_DUMP_INTR, seq)), done(0, seq, errnoBody(0))}, []int{12, 12}, true, errDumpInterrupted},
-		{"dump interrupted on done", [][]byte{cat(rule(0, seq), done(unix.NLM_F_DUMP_INTR, seq, errnoBody(0)))}, []int{12}, true, errDumpInterrupted},
-		{"another request's interrupted dump", [][]byte{cat(rule(unix.NLM_F_DUMP_INTR, seq-1), done(0, seq, nil))}, nil, true, nil},
-		{"acknowledgement", [][]byte{rawMsg(unix.NLMSG_ERROR, 0, seq, append(errnoBody(0), make([]byte, 16)...), false)}, nil, true, nil},
-		{"negative acknowledgement", [][]byte{rawMsg(unix.NLMSG_ERROR, 0, seq, append(errnoBody(unix.ENOENT), make([]byte, 16)...), false)}, nil, true, unix.ENOENT},
-		{"short error message", [][]byte{rawMsg(unix.NLMSG_ERROR, 0, seq, []byte{1, 2}, false)}, nil, true, errMalformed},
-		{"replies to other requests skipped", [][]byte{cat(rule(0, seq-1), done(0, seq-1, errnoBody(unix.EIO)), rule(0, seq), rawMsg(unix.NLMSG_ERROR, 0, seq+1, errnoBody(unix.EPERM), false), done(0, seq, nil))}, []int{12}, true, nil},
-		{"length past the buffer", [][]byte{cat(rule(0, seq), rawMsg(unix.RTM_NEWRULE, 0, seq, make([]byte, 12), false)[:20])}, []int{12}, true, errMalformed},
-		{"length below the header", [][]byte{cat(rule(0, seq), func() []byte { m := rule(0, seq); m[0] = 8; return m }())}, []int{12}, true, errMalformed},
-		{"last message unpadded", [][]byte{rawMsg(unix.RTM_NEWRULE, unix.NLM_F_MULTI, seq, make([]byte, 13), true)}, []int{13}, false, nil},
-		{"unpadded, then done", [][]byte{rawMsg(unix.RTM_NEWRULE, unix.NLM_F_MULTI, seq, make([]byte, 13), true), done(0, seq, nil)}, []int{13}, true, nil},
-		{"trailing bytes shorter than a header", [][]byte{cat(rule(0, seq), make([]byte, 8))}, []int{12}, false, nil},
+		{"done without payload", [][]byte{nltest.Cat(rule(0, seq), done(0, seq, nil))}, []int{12}, true, nil},
+		{"done with an error", [][]byte{nltest.Cat(rule(0, seq), done(0, seq, nltest.Errno(unix.EBUSY)))}, []int{12}, true, unix.EBUSY},
+		{"dump interrupted", [][]byte{nltest.Cat(rule(0, seq), rule(unix.NLM_F_DUMP_INTR, seq)), done(0, seq, nltest.Errno(0))}, []int{12, 12}, true, ErrDumpInterrupted},
+		{"dump interrupted on done", [][]byte{nltest.Cat(rule(0, seq), done(unix.NLM_F_DUMP_INTR, seq, nltest.Errno(0)))}, []int{12}, true, ErrDumpInterrupted},
+		{"another request's interrupted dump", [][]byte{nltest.Cat(rule(unix.NLM_F_DUMP_INTR, seq-1), done(0, seq, nil))}, nil, true, nil},
+		{"acknowledgement", [][]byte{nltest.Msg(unix.NLMSG_ERROR, 0, seq, append(nltest.Errno(0), make([]byte, 16)...), false)}, nil, true, nil},
+		{"negative acknowledgement", [][]byte{nltest.Msg(unix.NLMSG_ERROR, 0, seq, append(nltest.Errno(unix.ENOENT), make([]byte, 16)...), false)}, nil, true, unix.ENOENT},
+		{"short error message", [][]byte{nltest.Msg(unix.NLMSG_ERROR, 0, seq, []byte{1, 2}, false)}, nil, true, errMalformed},
+		{"replies to other requests skipped", [][]byte{nltest.Cat(rule(0, seq-1), done(0, seq-1, nltest.Errno(unix.EIO)), rule(0, seq), nltest.Msg(unix.NLMSG_ERROR, 0, seq+1, nltest.Errno(unix.EPERM), false), done(0, seq, nil))}, []int{12}, true, nil},
+		{"length past the buffer", [][]byte{nltest.Cat(rule(0, seq), nltest.Msg(unix.RTM_NEWRULE, 0, seq, make([]byte, 12), false)[:20])}, []int{12}, true, errMalformed},
+		{"length below the header", [][]byte{nltest.Cat(rule(0, seq), func() []byte { m := rule(0, seq); m[0] = 8; return m }())}, []int{12}, true, errMalformed},
+		{"last message unpadded", [][]byte{nltest.Msg(unix.RTM_NEWRULE, unix.NLM_F_MULTI, seq, make([]byte, 13), true)}, []int{13}, false, nil},
+		{"unpadded, then done", [][]byte{nltest.Msg(unix.RTM_NEWRULE, unix.NLM_F_MULTI, seq, make([]byte, 13), true), done(0, seq, nil)}, []int{13}, true, nil},
+		{"trailing bytes shorter than a header", [][]byte{nltest.Cat(rule(0, seq), make([]byte, 8))}, []int{12}, false, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			w := nlWalk{seq: seq}
@@ -176,7 +153,7 @@ var errMalformed = errors.New("malformed")
 // errors, and an unpadded last message is read without running past the buffer.
 func TestAckWalk(t *testing.T) {
 	ack := func(seq uint32, e unix.Errno) []byte {
-		return rawMsg(unix.NLMSG_ERROR, 0, seq, append(errnoBody(e), make([]byte, 16)...), false)
+		return nltest.Msg(unix.NLMSG_ERROR, 0, seq, append(nltest.Errno(e), make([]byte, 16)...), false)
 	}
 	for _, tc := range []struct {
 		name     string
@@ -185,13 +162,13 @@ func TestAckWalk(t *testing.T) {
 		wantErrs map[uint32]error
 		wantErr  error
 	}{
-		{"both answered", cat(ack(11, 0), ack(12, unix.ENOENT)), 2, map[uint32]error{12: unix.ENOENT}, nil},
-		{"foreign messages skipped", cat(ack(9, unix.EIO), rawMsg(unix.NLMSG_DONE, 0, 11, nil, false), ack(11, 0), ack(14, unix.EIO)), 1, map[uint32]error{}, nil},
-		{"begin refused", cat(ack(10, unix.EPERM), ack(11, 0)), 0, map[uint32]error{}, unix.EPERM},
-		{"end refused", cat(ack(11, 0), ack(13, unix.EINVAL)), 1, map[uint32]error{}, unix.EINVAL},
-		{"begin and end acknowledged", cat(ack(10, 0), ack(11, 0), ack(13, 0)), 1, map[uint32]error{}, nil},
-		{"length past the buffer", cat(ack(11, 0), ack(12, 0)[:30]), 1, map[uint32]error{}, errMalformed},
-		{"unpadded last message", cat(ack(11, 0), rawMsg(unix.NLMSG_ERROR, 0, 12, append(errnoBody(unix.EBUSY), 1), true)), 2, map[uint32]error{12: unix.EBUSY}, nil},
+		{"both answered", nltest.Cat(ack(11, 0), ack(12, unix.ENOENT)), 2, map[uint32]error{12: unix.ENOENT}, nil},
+		{"foreign messages skipped", nltest.Cat(ack(9, unix.EIO), nltest.Msg(unix.NLMSG_DONE, 0, 11, nil, false), ack(11, 0), ack(14, unix.EIO)), 1, map[uint32]error{}, nil},
+		{"begin refused", nltest.Cat(ack(10, unix.EPERM), ack(11, 0)), 0, map[uint32]error{}, unix.EPERM},
+		{"end refused", nltest.Cat(ack(11, 0), ack(13, unix.EINVAL)), 1, map[uint32]error{}, unix.EINVAL},
+		{"begin and end acknowledged", nltest.Cat(ack(10, 0), ack(11, 0), ack(13, 0)), 1, map[uint32]error{}, nil},
+		{"length past the buffer", nltest.Cat(ack(11, 0), ack(12, 0)[:30]), 1, map[uint32]error{}, errMalformed},
+		{"unpadded last message", nltest.Cat(ack(11, 0), nltest.Msg(unix.NLMSG_ERROR, 0, 12, append(nltest.Errno(unix.EBUSY), 1), true)), 2, map[uint32]error{12: unix.EBUSY}, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			w := ackWalk{first: 10, last: 13, errs: map[uint32]error{}}

@@ -1,4 +1,13 @@
-package engine
+// Package nl is meshcni's netlink client: one blocking socket opened in the
+// namespace it talks to, one reused receive buffer, plain system calls. Every
+// rtnetlink and nfnetlink read and delete of the engine and the backends goes
+// through it (dumps retried when the kernel flags them NLM_F_DUMP_INTR); the
+// general netlink libraries cost more than that work in a fresh, short-lived
+// process (a 64 KiB buffer per receive, a goroutine per send and receive, a
+// seeded random source per socket). Writes of routes, rules and addresses stay on
+// github.com/vishvananda/netlink, writes of nftables tables on
+// github.com/google/nftables.
+package nl
 
 import (
 	"encoding/binary"
@@ -10,27 +19,23 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// nlsock is a minimal netlink client: one blocking socket (opened in the namespace
-// it talks to) and one reused receive buffer, plain system calls. The engine's
-// probe and Clean need a few dumps, a batch and some deletes; the general netlink
-// libraries cost more than that work in a fresh, short-lived process (a 64 KiB
-// buffer per receive, a goroutine per send and receive, a seeded random source per
-// socket).
-type nlsock struct {
+// Conn is one netlink socket.
+type Conn struct {
 	fd   int
 	seq  uint32
 	buf  []byte
 	peer uint32 // the port requests go to: 0, the kernel (tests talk to a socket of their own)
 }
 
-// nlBufSize bounds one receive. The kernel sizes a dump's messages by the
+// BufSize bounds one receive. The kernel sizes a dump's messages by the
 // receiver's buffer (first one at most a page), so 16 KiB is always enough; a
 // truncated message is reported, not misread.
-const nlBufSize = 16 << 10
+const BufSize = 16 << 10
 
-// openNl opens a netlink socket of protocol proto in the calling thread's
-// namespace. A NETLINK_NETFILTER socket's duplicate goes to socks (see sockets).
-func openNl(proto int, socks *sockets) (*nlsock, error) {
+// Open opens a netlink socket of protocol proto (unix.NETLINK_ROUTE,
+// unix.NETLINK_NETFILTER) in the calling thread's namespace, with a receive
+// timeout of Timeout.
+func Open(proto int) (*Conn, error) {
 	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, proto)
 	if err != nil {
 		return nil, os.NewSyscallError("socket", err)
@@ -39,17 +44,22 @@ func openNl(proto int, socks *sockets) (*nlsock, error) {
 		unix.Close(fd)
 		return nil, os.NewSyscallError("bind", err)
 	}
-	if err := setRcvTimeout(fd, nlTimeout); err != nil {
+	if err := SetRcvTimeout(fd, Timeout); err != nil {
 		unix.Close(fd)
 		return nil, err
 	}
-	if proto == unix.NETLINK_NETFILTER {
-		socks.record(fd)
-	}
-	return &nlsock{fd: fd}, nil
+	return &Conn{fd: fd}, nil
 }
 
-func (r *nlsock) close() {
+// NewConn wraps an open netlink socket whose requests go to port peer (0: the
+// kernel; tests address a socket of their own, see nltest).
+func NewConn(fd int, peer uint32) *Conn { return &Conn{fd: fd, peer: peer} }
+
+// Fd is the socket's file descriptor (-1 once closed).
+func (r *Conn) Fd() int { return r.fd }
+
+// Close closes the socket (nil or closed: no-op).
+func (r *Conn) Close() {
 	if r != nil && r.fd >= 0 {
 		unix.Close(r.fd)
 		r.fd = -1
@@ -57,13 +67,13 @@ func (r *nlsock) close() {
 }
 
 // send writes one request (header + body) and returns its sequence number.
-func (r *nlsock) send(typ, flags uint16, body []byte) (uint32, error) {
+func (r *Conn) send(typ, flags uint16, body []byte) (uint32, error) {
 	r.seq++
-	return r.seq, r.write(appendMsg(nil, typ, flags, r.seq, body))
+	return r.seq, r.write(AppendMsg(nil, typ, flags, r.seq, body))
 }
 
 // write sends b (one or more messages) to the kernel.
-func (r *nlsock) write(b []byte) error {
+func (r *Conn) write(b []byte) error {
 	for {
 		err := unix.Sendto(r.fd, b, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK, Pid: r.peer})
 		if err == unix.EINTR {
@@ -76,19 +86,19 @@ func (r *nlsock) write(b []byte) error {
 	}
 }
 
-// nlTimeout bounds every blocking receive (SO_RCVTIMEO): a reply the kernel never
+// Timeout bounds every blocking receive (SO_RCVTIMEO): a reply the kernel never
 // sends fails the request instead of hanging a CNI DEL.
-const nlTimeout = 5 * time.Second
+const Timeout = 5 * time.Second
 
-// errDumpInterrupted: the kernel flagged a dump NLM_F_DUMP_INTR (the table changed
+// ErrDumpInterrupted: the kernel flagged a dump NLM_F_DUMP_INTR (the table changed
 // while it was dumped, so the dump may be inconsistent); dump retries it.
-var errDumpInterrupted = errors.New("netlink dump interrupted by a concurrent change")
+var ErrDumpInterrupted = errors.New("netlink dump interrupted by a concurrent change")
 
 // dumpTries bounds the attempts of a dump the kernel keeps interrupting.
 const dumpTries = 3
 
-// setRcvTimeout sets the socket's receive timeout.
-func setRcvTimeout(fd int, d time.Duration) error {
+// SetRcvTimeout sets the socket's receive timeout.
+func SetRcvTimeout(fd int, d time.Duration) error {
 	tv := unix.NsecToTimeval(d.Nanoseconds())
 	return os.NewSyscallError("setsockopt SO_RCVTIMEO", unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv))
 }
@@ -97,11 +107,11 @@ func setRcvTimeout(fd int, d time.Duration) error {
 // than an error or done one, until the done message (dump) or the acknowledgement
 // (ack). A negative acknowledgement, or a done message carrying an error, is
 // returned as its errno; a dump the kernel flagged interrupted as
-// errDumpInterrupted (after the whole of it was read); no reply within the
+// ErrDumpInterrupted (after the whole of it was read); no reply within the
 // socket's receive timeout as an error wrapping os.ErrDeadlineExceeded.
-func (r *nlsock) receive(seq uint32, each func(typ uint16, data []byte)) error {
+func (r *Conn) receive(seq uint32, each func(typ uint16, data []byte)) error {
 	if r.buf == nil {
-		r.buf = make([]byte, nlBufSize)
+		r.buf = make([]byte, BufSize)
 	}
 	w := nlWalk{seq: seq}
 	for {
@@ -134,7 +144,7 @@ type nlWalk struct {
 // other than an error or done message and skipping replies to other requests. It
 // returns done when the request is answered (done message or acknowledgement),
 // with the answer's error: a negative acknowledgement's or done message's errno,
-// or errDumpInterrupted when a reply was flagged NLM_F_DUMP_INTR. A malformed
+// or ErrDumpInterrupted when a reply was flagged NLM_F_DUMP_INTR. A malformed
 // length is an error; the last message may lack its padding.
 func (w *nlWalk) feed(b []byte, each func(typ uint16, data []byte)) (done bool, err error) {
 	for len(b) >= unix.SizeofNlMsghdr {
@@ -162,7 +172,7 @@ func (w *nlWalk) feed(b []byte, each func(typ uint16, data []byte)) (done bool, 
 				}
 			}
 			if w.intr {
-				return true, errDumpInterrupted
+				return true, ErrDumpInterrupted
 			}
 			return true, nil
 		case unix.NLMSG_ERROR:
@@ -179,11 +189,11 @@ func (w *nlWalk) feed(b []byte, each func(typ uint16, data []byte)) (done bool, 
 	return false, nil
 }
 
-// dump runs a dump request and calls each for every message of it. A dump the
+// Dump runs a dump request and calls each for every message of it. A dump the
 // kernel flags interrupted (the table changed under it) is run again, up to
 // dumpTries times in all, calling reset (if not nil) before each retry so the
 // caller drops what the inconsistent attempt gave it.
-func (r *nlsock) dump(typ uint16, body []byte, reset func(), each func(typ uint16, data []byte)) error {
+func (r *Conn) Dump(typ uint16, body []byte, reset func(), each func(typ uint16, data []byte)) error {
 	var err error
 	for try := range dumpTries {
 		if try > 0 && reset != nil {
@@ -193,15 +203,15 @@ func (r *nlsock) dump(typ uint16, body []byte, reset func(), each func(typ uint1
 		if seq, err = r.send(typ, unix.NLM_F_DUMP, body); err != nil {
 			return err
 		}
-		if err = r.receive(seq, each); !errors.Is(err, errDumpInterrupted) {
+		if err = r.receive(seq, each); !errors.Is(err, ErrDumpInterrupted) {
 			return err
 		}
 	}
 	return fmt.Errorf("%w (%d tries)", err, dumpTries)
 }
 
-// do sends a request with an acknowledgement and returns the kernel's answer.
-func (r *nlsock) do(typ uint16, body []byte) error {
+// Do sends a request with an acknowledgement and returns the kernel's answer.
+func (r *Conn) Do(typ uint16, body []byte) error {
 	seq, err := r.send(typ, unix.NLM_F_ACK, body)
 	if err != nil {
 		return err
@@ -217,8 +227,8 @@ func rtaAlign(n int) int { return (n + unix.RTA_ALIGNTO - 1) &^ (unix.RTA_ALIGNT
 // NLA_F_NET_BYTEORDER); x/sys/unix does not define NLA_TYPE_MASK.
 const nlaTypeMask = ^uint16(unix.NLA_F_NESTED | unix.NLA_F_NET_BYTEORDER)
 
-// attrs calls each for every route attribute in b (a message's attribute area).
-func attrs(b []byte, each func(typ uint16, val []byte)) {
+// Attrs calls each for every attribute in b (a message's attribute area).
+func Attrs(b []byte, each func(typ uint16, val []byte)) {
 	for len(b) >= unix.SizeofRtAttr {
 		l := int(binary.NativeEndian.Uint16(b[0:2]))
 		if l < unix.SizeofRtAttr || l > len(b) {
@@ -232,8 +242,9 @@ func attrs(b []byte, each func(typ uint16, val []byte)) {
 	}
 }
 
-// appendAttr appends one route attribute.
-func appendAttr(b []byte, typ uint16, val []byte) []byte {
+// AppendAttr appends one attribute (route attributes and nfnetlink attributes share
+// the layout).
+func AppendAttr(b []byte, typ uint16, val []byte) []byte {
 	l := unix.SizeofRtAttr + len(val)
 	var h [unix.SizeofRtAttr]byte
 	binary.NativeEndian.PutUint16(h[0:2], uint16(l))
@@ -246,8 +257,8 @@ func appendAttr(b []byte, typ uint16, val []byte) []byte {
 	return b
 }
 
-// appendMsg appends one netlink message (header + body) with sequence number seq.
-func appendMsg(b []byte, typ, flags uint16, seq uint32, body []byte) []byte {
+// AppendMsg appends one netlink message (header + body) with sequence number seq.
+func AppendMsg(b []byte, typ, flags uint16, seq uint32, body []byte) []byte {
 	var h [unix.SizeofNlMsghdr]byte
 	binary.NativeEndian.PutUint32(h[0:4], uint32(unix.SizeofNlMsghdr+len(body)))
 	binary.NativeEndian.PutUint16(h[4:6], typ)
@@ -267,9 +278,9 @@ func appendMsg(b []byte, typ, flags uint16, seq uint32, body []byte) []byte {
 // end (last) refuses the whole batch and is returned as err. nfnetlink processes a
 // batch inside the send, so every answer is queued when it returns: the socket is
 // read without waiting, and a missing answer is an error, never a hang.
-func (r *nlsock) acks(first, last uint32, want int) (map[uint32]error, error) {
+func (r *Conn) acks(first, last uint32, want int) (map[uint32]error, error) {
 	if r.buf == nil {
-		r.buf = make([]byte, nlBufSize)
+		r.buf = make([]byte, BufSize)
 	}
 	w := ackWalk{first: first, last: last, errs: map[uint32]error{}}
 	for w.got < want {
