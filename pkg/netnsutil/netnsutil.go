@@ -86,6 +86,25 @@ func Open(path string) (int, error) {
 	return fd, nil
 }
 
+// Exists reports whether path is a live network namespace: a file of the namespace
+// filesystem (a bind mount under /run/netns or a runtime's state dir) or of /proc
+// (/proc/PID/ns/net) that can be opened.
+func Exists(path string) bool {
+	if path == "" {
+		return false
+	}
+	fd, err := Open(path)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(fd)
+	var st unix.Statfs_t
+	if err := unix.Fstatfs(fd, &st); err != nil {
+		return false
+	}
+	return st.Type == unix.NSFS_MAGIC || st.Type == unix.PROC_SUPER_MAGIC
+}
+
 // Exec runs a program (never a shell) inside the namespace at path, with stdin and
 // extra environment, and returns its stdout. The child inherits the namespace from
 // the thread that forks it. On failure the error carries stderr.

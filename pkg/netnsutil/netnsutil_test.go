@@ -71,3 +71,31 @@ func TestDo(t *testing.T) {
 		}
 	}
 }
+
+// TestExists: a live namespace (bind mount or /proc) is one; a plain file, a
+// directory, a missing path and "" are not.
+func TestExists(t *testing.T) {
+	testutil.RequireRoot(t)
+	netns := testutil.NewNetns(t)
+	file := t.TempDir() + "/plain"
+	if err := unix.Mkdir(file+"-dir", 0o755); err != nil {
+		t.Fatal(err)
+	}
+	fd, err := unix.Open(file, unix.O_CREAT|unix.O_WRONLY, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(fd)
+	for path, want := range map[string]bool{
+		netns:                  true,
+		"/proc/self/ns/net":    true,
+		file:                   false,
+		file + "-dir":          false,
+		"/nonexistent/netns/x": false,
+		"":                     false,
+	} {
+		if got := netnsutil.Exists(path); got != want {
+			t.Errorf("Exists(%q) = %v, want %v", path, got, want)
+		}
+	}
+}

@@ -26,12 +26,12 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/cni/pkg/version"
-	"github.com/containernetworking/plugins/pkg/ns"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
@@ -450,13 +450,13 @@ func (p *Plugin) Del(args *skel.CmdArgs) (err error) {
 		inv.log.Debug("DEL: nothing to clean", "reason", r)
 		return nil
 	}
-	if !netnsExists(args.Netns) {
+	if !netnsutil.Exists(args.Netns) {
 		inv.log.Debug("DEL: netns gone, its rules with it", "netns", args.Netns)
 		return nil
 	}
 	cerr := p.Engine.Clean(context.Background(), inv.engineOptions())
 	if cerr != nil {
-		if !netnsExists(args.Netns) {
+		if !netnsutil.Exists(args.Netns) {
 			inv.log.Debug("DEL: netns disappeared while cleaning", "netns", args.Netns)
 			return nil
 		}
@@ -465,19 +465,6 @@ func (p *Plugin) Del(args *skel.CmdArgs) (err error) {
 	}
 	inv.log.Info("DEL: rules removed", "duration", time.Since(inv.start))
 	return nil
-}
-
-// netnsExists reports whether path is a live network namespace.
-func netnsExists(path string) bool {
-	if path == "" {
-		return false
-	}
-	n, err := ns.GetNS(path)
-	if err != nil {
-		return false
-	}
-	_ = n.Close()
-	return true
 }
 
 // Check is CNI CHECK: the live rules must equal the desired ones.
