@@ -1,7 +1,6 @@
 package testbed
 
 import (
-	"bufio"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -145,11 +144,6 @@ func cacheDirs(root string) (k8sDir, auxDir string, err error) {
 		k8sParts = append(k8sParts, b)
 	}
 	auxParts := [][]byte{[]byte(gov), []byte(auxRecipe), []byte(PauseImage), []byte(EchoImage)}
-	pluginsLine, err := moduleLine(filepath.Join(root, "go.mod"), "github.com/containernetworking/plugins ")
-	if err != nil {
-		return "", "", err
-	}
-	auxParts = append(auxParts, []byte(pluginsLine))
 	for _, d := range []string{"internal/testbed/cmd/testbed-pause", "internal/testbed/cmd/testbed-echo"} {
 		files, _ := filepath.Glob(filepath.Join(root, d, "*.go"))
 		if len(files) == 0 {
@@ -166,22 +160,6 @@ func cacheDirs(root string) (k8sDir, auxDir string, err error) {
 	cr := CacheRoot()
 	return filepath.Join(cr, "k8s-"+KubernetesVersion+"-"+hashOf(k8sParts...)),
 		filepath.Join(cr, "aux-"+hashOf(auxParts...)), nil
-}
-
-func moduleLine(gomod, prefix string) (string, error) {
-	f, err := os.Open(gomod)
-	if err != nil {
-		return "", fmt.Errorf("testbed cache key: %w", err)
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		l := strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(sc.Text()), "require "))
-		if strings.HasPrefix(l, prefix) {
-			return l, nil
-		}
-	}
-	return "", fmt.Errorf("testbed cache key: %s requires no %s", gomod, strings.TrimSpace(prefix))
 }
 
 // ErrNotBuilt is returned by Lookup when the binaries are not in the cache.
