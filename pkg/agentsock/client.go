@@ -9,10 +9,13 @@ import (
 	"log/slog"
 	"math"
 	"net"
+	"os"
 	"strconv"
 	"sync"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Timeouts of the client. A CNI ADD never waits longer than this on the agent.
@@ -41,12 +44,72 @@ type Client struct {
 // Dial connects to the agent's socket in runDir, failing at once when no agent listens
 // there. net.DialUnix rather than a net.Dialer with a timeout: the same connect, minus
 // the deadline context and timer (and half the allocations) in the plugin's run.
+//
+// Only an agent running as root is trusted: the run directory must be a directory
+// owned by root and writable by nobody else, and the process listening on the socket
+// must be root (SO_PEERCRED). Anything else fails with ErrUntrusted — whoever could
+// put a socket there could otherwise answer "not meshed" for every pod — and the
+// plugin goes to the API server instead. (The client's own effective UID is trusted
+// too, so tests can run unprivileged; the plugin runs as root.)
 func Dial(runDir string) (*Client, error) {
+	if err := checkRunDir(runDir); err != nil {
+		return nil, err
+	}
 	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: Path(runDir), Net: "unix"})
 	if err != nil {
 		return nil, fmt.Errorf("agentsock: dial: %w", err)
 	}
+	if err := checkPeer(conn); err != nil {
+		conn.Close()
+		return nil, err
+	}
 	return &Client{conn: conn}, nil
+}
+
+// ErrUntrusted: the agent socket, its directory or the process behind it is not
+// root's; the plugin does not talk to it.
+var ErrUntrusted = errors.New("agentsock: untrusted agent socket")
+
+func trustedUID(uid uint32) bool { return uid == 0 || int(uid) == os.Geteuid() }
+
+// checkRunDir refuses a run directory that is not a directory (a symlink is not
+// followed), is owned by another user, or is writable by group or others.
+func checkRunDir(dir string) error {
+	var st unix.Stat_t
+	if err := unix.Lstat(dir, &st); err != nil {
+		return fmt.Errorf("agentsock: run directory %s: %w", dir, err)
+	}
+	switch {
+	case st.Mode&unix.S_IFMT != unix.S_IFDIR:
+		return fmt.Errorf("%w: %s is not a directory", ErrUntrusted, dir)
+	case !trustedUID(st.Uid):
+		return fmt.Errorf("%w: %s is owned by uid %d, not root", ErrUntrusted, dir, st.Uid)
+	case st.Mode&0o022 != 0:
+		return fmt.Errorf("%w: %s is writable by group or others (mode %o)", ErrUntrusted, dir, st.Mode&0o7777)
+	}
+	return nil
+}
+
+// checkPeer refuses a socket whose listening process is not root.
+func checkPeer(conn *net.UnixConn) error {
+	raw, err := conn.SyscallConn()
+	if err != nil {
+		return fmt.Errorf("agentsock: peer credentials: %w", err)
+	}
+	var cred *unix.Ucred
+	var serr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, serr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return fmt.Errorf("agentsock: peer credentials: %w", err)
+	}
+	if serr != nil {
+		return fmt.Errorf("agentsock: peer credentials: %w", serr)
+	}
+	if !trustedUID(cred.Uid) {
+		return fmt.Errorf("%w: the process listening on it (pid %d) runs as uid %d, not root", ErrUntrusted, cred.Pid, cred.Uid)
+	}
+	return nil
 }
 
 // Close closes the connection.

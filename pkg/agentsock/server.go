@@ -150,6 +150,9 @@ func Listen(path string) (*net.UnixListener, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, fmt.Errorf("agent socket directory: %w", err)
 	}
+	if err := secureDir(dir); err != nil {
+		return nil, err
+	}
 	priv, err := os.MkdirTemp(dir, "."+SocketName+"-")
 	if err != nil {
 		return nil, fmt.Errorf("agent socket directory: %w", err)
@@ -170,6 +173,30 @@ func Listen(path string) (*net.UnixListener, error) {
 		return nil, fmt.Errorf("place agent socket: %w", err)
 	}
 	return l, nil
+}
+
+// secureDir makes the socket's directory what the plugin's Dial trusts: a real
+// directory, the agent's own, writable by nobody else (a directory made 0777 by
+// someone else is taken back).
+func secureDir(dir string) error {
+	fi, err := os.Lstat(dir)
+	if err != nil {
+		return fmt.Errorf("agent socket directory: %w", err)
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("agent socket directory %s is not a directory (%s)", dir, fi.Mode().Type())
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok && (int(st.Uid) != os.Geteuid() || int(st.Gid) != os.Getegid()) {
+		if err := os.Chown(dir, os.Geteuid(), os.Getegid()); err != nil {
+			return fmt.Errorf("agent socket directory: take ownership: %w", err)
+		}
+	}
+	if fi.Mode().Perm()&0o022 != 0 {
+		if err := os.Chmod(dir, fi.Mode().Perm()&^0o022); err != nil {
+			return fmt.Errorf("agent socket directory: %w", err)
+		}
+	}
+	return nil
 }
 
 func inodeOf(path string) uint64 {

@@ -143,15 +143,22 @@ func (p *Plugin) begin(args *skel.CmdArgs, withPrev bool) (*invocation, error) {
 
 	fallback := slog.NewTextHandler(p.Stderr, &slog.HandlerOptions{Level: cfg.LogLevel})
 	var h slog.Handler = fallback
+	var untrusted error
 	if cfg.AgentRunDir != "" {
-		if c, err := agentsock.Dial(cfg.AgentRunDir); err == nil {
+		c, err := agentsock.Dial(cfg.AgentRunDir)
+		if err == nil {
 			inv.sock = c
 			h = c.Handler(cfg.LogLevel, fallback)
+		} else if errors.Is(err, agentsock.ErrUntrusted) {
+			untrusted = err
 		}
 	}
 	inv.log = slog.New(h).With("container_id", shortID(args.ContainerID))
 	if inv.namespace != "" || inv.name != "" {
 		inv.log = inv.log.With(agentsock.KeyPodNamespace, inv.namespace, agentsock.KeyPodName, inv.name)
+	}
+	if untrusted != nil {
+		inv.log.Warn("not using the agent socket: asking the API server instead", "err", untrusted)
 	}
 	return inv, nil
 }
