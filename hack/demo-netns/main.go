@@ -12,7 +12,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -25,6 +24,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/spf13/pflag"
 	"github.com/vishvananda/netlink"
 
 	"github.com/meshcni/meshcni/internal/proxysim"
@@ -32,6 +32,7 @@ import (
 	"github.com/meshcni/meshcni/internal/traffic"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -42,9 +43,10 @@ var (
 )
 
 func main() {
-	bin := flag.String("bin", "bin", "directory holding meshcni-proxysim (make build)")
-	be := flag.String("backend", "auto", "backend: auto, nftables, iptables-nft, iptables-legacy")
-	flag.Parse()
+	fs := pflag.NewFlagSet("demo-netns", pflag.ExitOnError)
+	bin := fs.String("bin", "bin", "directory holding meshcni-proxysim (make build)")
+	be := fs.String("backend", "auto", "backend: auto, nftables, iptables-nft, iptables-legacy")
+	_ = fs.Parse(flagenv.GoStyle(fs, os.Args[1:]))
 	if err := run(*bin, *be); err != nil {
 		fmt.Fprintf(os.Stderr, "demo: FAILED: %v\n", err)
 		os.Exit(1)

@@ -15,7 +15,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"log/slog"
 	"os"
@@ -26,9 +25,12 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/spf13/pflag"
+
 	"github.com/meshcni/meshcni/internal/build/image"
 	"github.com/meshcni/meshcni/internal/demo"
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/pkg/flagenv"
 )
 
 func main() {
@@ -37,10 +39,10 @@ func main() {
 	if len(args) > 0 && (args[0] == "up" || args[0] == "down") {
 		cmd, args = args[0], args[1:]
 	}
-	fs := flag.NewFlagSet("demo "+cmd, flag.ExitOnError)
+	fs := pflag.NewFlagSet("demo "+cmd, pflag.ExitOnError)
 	hub := fs.String("hub", image.DefaultHub, "image hub")
 	tag := fs.String("tag", image.DefaultTag, "image tag")
-	_ = fs.Parse(args)
+	_ = fs.Parse(flagenv.GoStyle(fs, args))
 	if fs.NArg() > 0 {
 		fmt.Fprintf(os.Stderr, "demo: unexpected arguments %q\n", fs.Args())
 		os.Exit(2)

@@ -6,7 +6,6 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"log/slog"
 	"os"
@@ -14,20 +13,24 @@ import (
 	"slices"
 	"syscall"
 
+	"github.com/spf13/pflag"
+
 	"github.com/meshcni/meshcni/internal/build/image"
 	"github.com/meshcni/meshcni/internal/reporoot"
+	"github.com/meshcni/meshcni/pkg/flagenv"
 )
 
 func main() {
-	hub := flag.String("hub", image.DefaultHub, "image hub (registry/namespace)")
-	tag := flag.String("tag", image.DefaultTag, "image tag")
-	arch := flag.String("arch", "", "comma-separated architectures (amd64, arm64, arm/v7, ppc64le, s390x, riscv64); empty: this machine's")
-	out := flag.String("out", "", "archive path (default bin/images/meshcni-<tag>.tar)")
-	version := flag.String("version", "", "version label and -X main.version (default: the tag)")
-	revision := flag.String("revision", "", "revision label (default: git rev-parse HEAD)")
-	flag.Parse()
-	if flag.NArg() > 0 {
-		fmt.Fprintf(os.Stderr, "images: unexpected arguments %q\n", flag.Args())
+	fs := pflag.NewFlagSet("images", pflag.ExitOnError)
+	hub := fs.String("hub", image.DefaultHub, "image hub (registry/namespace)")
+	tag := fs.String("tag", image.DefaultTag, "image tag")
+	arch := fs.String("arch", "", "comma-separated architectures (amd64, arm64, arm/v7, ppc64le, s390x, riscv64); empty: this machine's")
+	out := fs.String("out", "", "archive path (default bin/images/meshcni-<tag>.tar)")
+	version := fs.String("version", "", "version label and -X main.version (default: the tag)")
+	revision := fs.String("revision", "", "revision label (default: git rev-parse HEAD)")
+	_ = fs.Parse(flagenv.GoStyle(fs, os.Args[1:]))
+	if fs.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "images: unexpected arguments %q\n", fs.Args())
 		os.Exit(2)
 	}
 	arches, err := image.ParseArches(*arch)

@@ -13,7 +13,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -26,7 +25,10 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/spf13/pflag"
+
 	"github.com/meshcni/meshcni/internal/proxysim"
+	"github.com/meshcni/meshcni/pkg/flagenv"
 )
 
 func main() {
@@ -50,7 +52,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = runServe(ctx, args, stdout, stderr)
 	}
 	if err != nil {
-		if errors.Is(err, flag.ErrHelp) {
+		if errors.Is(err, pflag.ErrHelp) {
 			return 0
 		}
 		fmt.Fprintf(stderr, "meshcni-proxysim %s: %v\n", cmd, err)
@@ -59,8 +61,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
-// addrValue is a flag.Value holding an optional netip.Addr.
+// addrValue is a pflag.Value holding an optional netip.Addr.
 type addrValue struct{ a *netip.Addr }
+
+func (addrValue) Type() string { return "addr" }
 
 func (v addrValue) String() string {
 	if v.a == nil || !v.a.IsValid() {
@@ -82,8 +86,10 @@ func (v addrValue) Set(s string) error {
 	return nil
 }
 
-// addrPortValue is a flag.Value holding an optional netip.AddrPort.
+// addrPortValue is a pflag.Value holding an optional netip.AddrPort.
 type addrPortValue struct{ ap *netip.AddrPort }
+
+func (addrPortValue) Type() string { return "ip:port" }
 
 func (v addrPortValue) String() string {
 	if v.ap == nil || !v.ap.IsValid() {
@@ -105,8 +111,10 @@ func (v addrPortValue) Set(s string) error {
 	return nil
 }
 
-// portValue is a flag.Value holding a TCP/UDP port (0 allowed: disabled).
+// portValue is a pflag.Value holding a TCP/UDP port (0 allowed: disabled).
 type portValue struct{ p *uint16 }
+
+func (portValue) Type() string { return "port" }
 
 func (v portValue) String() string {
 	if v.p == nil {
@@ -128,7 +136,7 @@ func (v portValue) Set(s string) error {
 }
 
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs := pflag.NewFlagSet("serve", pflag.ContinueOnError)
 	fs.SetOutput(stderr)
 	cfg := proxysim.Config{
 		OutboundPort: 15001, InboundPort: 15006,
@@ -155,7 +163,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	admin := fs.String("admin", "", "serve GET /records and /healthz on this address (e.g. 127.0.0.1:15000)")
 	records := fs.Bool("records", true, "write every record to stdout as a JSON line")
 	level := fs.String("log-level", "info", "debug, info, warn or error")
-	if err := fs.Parse(args); err != nil {
+	if err := fs.Parse(flagenv.GoStyle(fs, args)); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
@@ -207,14 +215,14 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 }
 
 func runClient(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("client", flag.ContinueOnError)
+	fs := pflag.NewFlagSet("client", pflag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var req proxysim.ProbeRequest
 	fs.Var(addrPortValue{&req.Dst}, "connect", "ip:port to connect to (required)")
 	fs.Var(addrPortValue{&req.Source}, "source", "local ip:port to bind (optional)")
 	fs.StringVar(&req.Send, "send", "", "payload to send before half-closing")
 	fs.DurationVar(&req.Timeout, "timeout", 3*time.Second, "bound on the whole probe")
-	if err := fs.Parse(args); err != nil {
+	if err := fs.Parse(flagenv.GoStyle(fs, args)); err != nil {
 		return err
 	}
 	if !req.Dst.IsValid() {
@@ -224,7 +232,7 @@ func runClient(ctx context.Context, args []string, stdout, stderr io.Writer) err
 }
 
 func runDNSClient(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("dns-client", flag.ContinueOnError)
+	fs := pflag.NewFlagSet("dns-client", pflag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var req proxysim.DNSRequest
 	fs.Var(addrPortValue{&req.Server}, "server", "DNS server ip:port (required)")
@@ -232,7 +240,7 @@ func runDNSClient(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	qtype := fs.String("type", "A", "A or AAAA")
 	fs.BoolVar(&req.TCP, "tcp", false, "query over TCP")
 	fs.DurationVar(&req.Timeout, "timeout", 3*time.Second, "bound on the whole query")
-	if err := fs.Parse(args); err != nil {
+	if err := fs.Parse(flagenv.GoStyle(fs, args)); err != nil {
 		return err
 	}
 	if !req.Server.IsValid() || req.Name == "" {

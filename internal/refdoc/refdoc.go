@@ -7,11 +7,11 @@ package refdoc
 
 import (
 	"bytes"
-	"flag"
 	"fmt"
 	"os"
 	"strings"
 
+	"github.com/spf13/pflag"
 	"go.yaml.in/yaml/v3"
 
 	"github.com/meshcni/meshcni/pkg/flagenv"
@@ -24,7 +24,7 @@ type Binary struct {
 	Name      string
 	EnvPrefix string
 	Doc       string
-	Flags     *flag.FlagSet
+	Flags     *pflag.FlagSet
 }
 
 // Input is what the reference is made of.
@@ -66,7 +66,7 @@ func Generate(in Input) ([]byte, error) {
 	for _, bin := range in.Binaries {
 		fmt.Fprintf(&b, "\n## %s\n\n%s Every flag can also be set by its environment variable; a flag on the command line wins.\n\n", bin.Name, bin.Doc)
 		b.WriteString("| flag | environment | default | meaning |\n|---|---|---|---|\n")
-		bin.Flags.VisitAll(func(f *flag.Flag) {
+		bin.Flags.VisitAll(func(f *pflag.Flag) {
 			usage := f.Usage
 			if i := strings.LastIndex(usage, " [$"); i >= 0 {
 				usage = usage[:i] // flagenv's note; the column says it

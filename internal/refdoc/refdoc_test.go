@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/spf13/pflag"
+
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/podspec"
@@ -85,7 +87,7 @@ func TestReferenceCoversEverything(t *testing.T) {
 	}
 	for _, bin := range input(t).Binaries {
 		n := 0
-		bin.Flags.VisitAll(func(f *flag.Flag) {
+		bin.Flags.VisitAll(func(f *pflag.Flag) {
 			n++
 			if !strings.Contains(text, "`--"+f.Name+"` | `"+flagenv.Name(bin.EnvPrefix, f.Name)+"`") {
 				t.Errorf("%s flag --%s missing", bin.Name, f.Name)

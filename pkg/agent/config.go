@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -10,6 +9,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/spf13/pflag"
 
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/flagenv"
@@ -104,15 +105,15 @@ func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Co
 
 // FlagSet returns the agent's flags with their defaults, for documentation
 // (internal/refdoc).
-func FlagSet() *flag.FlagSet {
+func FlagSet() *pflag.FlagSet {
 	fs, _ := (&Config{}).flagSet(io.Discard)
 	return fs
 }
 
 // flagSet defines every flag on a new FlagSet bound to c; finish turns the
 // string-typed flags into c's fields once the FlagSet is parsed.
-func (c *Config) flagSet(usage io.Writer) (fs *flag.FlagSet, finish func() error) {
-	fs = flag.NewFlagSet("meshcni-agent", flag.ContinueOnError)
+func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() error) {
+	fs = pflag.NewFlagSet("meshcni-agent", pflag.ContinueOnError)
 	fs.SetOutput(usage)
 	var excl, logLevel string
 	fs.StringVar(&c.CNIBinDir, "cni-bin-dir", "/opt/cni/bin", "CNI plugin directory of the node (GKE: /home/kubernetes/bin, k3s: /var/lib/rancher/k3s/data/current/bin)")

@@ -3,19 +3,20 @@ package agent
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
 	"os/signal"
 	"syscall"
+
+	"github.com/spf13/pflag"
 )
 
 // Main is meshcni-agent's main: it parses args and the environment, runs the agent
 // until SIGTERM or SIGINT, and returns the exit code (2: bad settings, 1: failure).
 func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 	cfg, err := ParseFlags(args, getenv, stderr)
-	if errors.Is(err, flag.ErrHelp) {
+	if errors.Is(err, pflag.ErrHelp) {
 		return 0
 	}
 	if err != nil {

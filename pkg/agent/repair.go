@@ -1,10 +1,11 @@
 package agent
 
 import (
-	"flag"
 	"fmt"
 	"path/filepath"
 	"strings"
+
+	"github.com/spf13/pflag"
 
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/podnetns"
@@ -14,7 +15,7 @@ import (
 
 // repairFlags registers the repair controller's flags on fs and returns the check
 // to run after parsing: it fills the typed fields and rejects bad values.
-func (c *Config) repairFlags(fs *flag.FlagSet) func() error {
+func (c *Config) repairFlags(fs *pflag.FlagSet) func() error {
 	var action, netnsDirs string
 	fs.BoolVar(&c.Repair, "repair", true, "run the repair controller: fix this node's meshed pods whose validation init container found no redirect (needs API access and --node-name)")
 	fs.StringVar(&action, "repair-action", string(repair.ActionRepair), "what to do to a broken pod: repair (apply its redirect in place), delete (its controller recreates it), label (for operators)")

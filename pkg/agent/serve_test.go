@@ -263,7 +263,14 @@ func TestParseFlags(t *testing.T) {
 		{name: "conf file with path", args: []string{"--cni-conf-file-name", "../x.conflist"}, wantErr: "plain file name"},
 		{name: "conf file ext", args: []string{"--cni-conf-file-name", "x.yaml"}, wantErr: ".conf, .conflist or .json"},
 		{name: "stray argument", args: []string{"install"}, wantErr: "unexpected arguments"},
-		{name: "unknown flag", args: []string{"--nope"}, wantErr: "not defined"},
+		{name: "unknown flag", args: []string{"--nope"}, wantErr: "unknown flag: --nope"},
+		{name: "Go-style single-dash flags", args: []string{"-cni-bin-dir", "/a", "-chained=false", "-keep-on-exit"}, env: map[string]string{"MESHCNI_CNI_BIN_DIR": "/b"},
+			check: func(c *Config) error {
+				if c.CNIBinDir != "/a" || c.Chained || !c.KeepOnExit {
+					return fmt.Errorf("%+v", c)
+				}
+				return nil
+			}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var usage bytes.Buffer

@@ -4,11 +4,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"time"
 
+	"github.com/spf13/pflag"
+
+	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podspec"
 )
@@ -27,7 +29,7 @@ func HelperMain(args []string, stdout, stderr io.Writer, getenv func(string) str
 		})
 		return 1
 	}
-	fs := flag.NewFlagSet(podget.HelperName, flag.ContinueOnError)
+	fs := pflag.NewFlagSet(podget.HelperName, pflag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: %s --kubeconfig=PATH --namespace=NS --name=POD [--timeout=20s]\n\n"+
@@ -40,8 +42,8 @@ func HelperMain(args []string, stdout, stderr io.Writer, getenv func(string) str
 	namespace := fs.String("namespace", "", "pod namespace")
 	name := fs.String("name", "", "pod name")
 	timeout := fs.Duration("timeout", 20*time.Second, "give up after this long (retrying transport errors, 404, 429 and 5xx)")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
+	if err := fs.Parse(flagenv.GoStyle(fs, args)); err != nil {
+		if errors.Is(err, pflag.ErrHelp) {
 			return 0
 		}
 		return usage(stdout, err)

@@ -23,6 +23,13 @@ func TestHelperMain(t *testing.T) {
 	api := fakeapi.New(t, "tok")
 	api.AddPod(testPod("app", "web", "1"))
 	kc := api.Kubeconfig(t, filepath.Join(t.TempDir(), "kubeconfig"))
+	// podget's argv passes every value as --flag=value: a value holding "=", spaces or
+	// what looks like another flag is read whole.
+	odd := filepath.Join(t.TempDir(), "a=b --name=x -namespace")
+	if err := os.Mkdir(odd, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	kcOdd := api.Kubeconfig(t, filepath.Join(odd, "kubeconfig"))
 	for _, tt := range []struct {
 		name     string
 		args     []string
@@ -34,6 +41,7 @@ func TestHelperMain(t *testing.T) {
 		wantsPod bool
 	}{
 		{name: "pod", args: []string{"--kubeconfig=" + kc, "--namespace=app", "--name=web"}, exit: 0, wantsPod: true},
+		{name: "pod, the argv podget builds", args: []string{"--kubeconfig=" + kcOdd, "--namespace=app", "--name=web", "--timeout=1.5s"}, exit: 0, wantsPod: true},
 		{name: "forbidden", args: []string{"--kubeconfig=" + kc, "--namespace=app", "--name=web", "--timeout=2s"}, status: 403, exit: 1, kind: podget.KindAPI, apiCode: 403, errPart: "forbidden"},
 		{name: "not found within the timeout", args: []string{"--kubeconfig=" + kc, "--namespace=app", "--name=ghost", "--timeout=300ms"}, exit: 1, kind: podget.KindAPI, apiCode: 404, errPart: `pods "ghost" not found`},
 		{name: "kubeconfig missing", args: []string{"--kubeconfig=/nonexistent/kc", "--namespace=app", "--name=web"}, exit: 1, kind: podget.KindKubeconfig, errPart: "read kubeconfig"},

@@ -3,7 +3,6 @@ package taint
 import (
 	"crypto/rand"
 	"encoding/hex"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -12,6 +11,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/spf13/pflag"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/validation"
 
@@ -58,7 +58,7 @@ func (c *Config) Policy() Policy { return Policy{Grace: c.GracePeriod, TaintNewN
 // ParseFlags reads the configuration from args and the environment (getenv): a flag
 // beats its MESHCNI_* variable, which beats the default. POD_NAMESPACE (downward API)
 // is the default of --agent-namespace and --lease-namespace. Every value is parsed and
-// checked; --help returns flag.ErrHelp.
+// checked; --help returns pflag.ErrHelp.
 func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Config, error) {
 	c := &Config{}
 	fs, finish := c.flagSet(getenv("POD_NAMESPACE"), usage)
@@ -76,7 +76,7 @@ func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Co
 
 // FlagSet returns the controller's flags with their defaults, for documentation
 // (internal/refdoc).
-func FlagSet() *flag.FlagSet {
+func FlagSet() *pflag.FlagSet {
 	fs, _ := (&Config{}).flagSet("", io.Discard)
 	return fs
 }
@@ -84,8 +84,8 @@ func FlagSet() *flag.FlagSet {
 // flagSet defines every flag on a new FlagSet bound to c (podNS: the downward API's
 // namespace, the default of the namespace flags); finish turns the string-typed
 // flags into c's fields once the FlagSet is parsed.
-func (c *Config) flagSet(podNS string, usage io.Writer) (fs *flag.FlagSet, finish func() error) {
-	fs = flag.NewFlagSet("meshcni-taint-controller", flag.ContinueOnError)
+func (c *Config) flagSet(podNS string, usage io.Writer) (fs *pflag.FlagSet, finish func() error) {
+	fs = pflag.NewFlagSet("meshcni-taint-controller", pflag.ContinueOnError)
 	fs.SetOutput(usage)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), `meshcni-taint-controller keeps the taint %s:%s on every node whose meshcni agent

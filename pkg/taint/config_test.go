@@ -3,11 +3,12 @@ package taint
 import (
 	"bytes"
 	"errors"
-	"flag"
 	"io"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/spf13/pflag"
 )
 
 func TestParseFlags(t *testing.T) {
@@ -48,12 +49,17 @@ func TestParseFlags(t *testing.T) {
 				t.Errorf("got %+v", c)
 			}
 		}},
+		{name: "Go-style single-dash flags", args: []string{"-agent-namespace", "x", "-leader-elect=false", "-grace-period", "1s"}, check: func(t *testing.T, c *Config) {
+			if c.AgentNamespace != "x" || c.LeaderElect || c.GracePeriod != time.Second {
+				t.Errorf("got %+v", c)
+			}
+		}},
 		{name: "no namespace", wantErr: "--agent-namespace: empty"},
 		{name: "no lease namespace", args: []string{"--agent-namespace", "x"}, wantErr: "--lease-namespace: empty"},
 		{name: "bad agent selector", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--agent-selector", "app in (a"}, wantErr: `--agent-selector "app in (a"`},
 		{name: "empty agent selector", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--agent-selector", ""}, wantErr: "--agent-selector: empty"},
 		{name: "bad node selector", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--node-selector", "a==b==c"}, wantErr: `--node-selector "a==b==c"`},
-		{name: "bad duration flag", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--grace-period", "soon"}, wantErr: `invalid value "soon" for flag -grace-period`},
+		{name: "bad duration flag", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--grace-period", "soon"}, wantErr: `invalid argument "soon" for "--grace-period" flag`},
 		{name: "bad duration env", env: map[string]string{"POD_NAMESPACE": "x", "MESHCNI_GRACE_PERIOD": "30"}, wantErr: `MESHCNI_GRACE_PERIOD="30"`},
 		{name: "negative grace", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--grace-period", "-1s"}, wantErr: "--grace-period -1s: want 0 or more"},
 		{name: "lease shorter than renew", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--lease-duration", "10s"}, wantErr: "--lease-duration 10s: want more than --renew-deadline"},
@@ -89,12 +95,11 @@ func TestMainExitCodes(t *testing.T) {
 		t.Fatalf("--help exit %d", code)
 	}
 	for _, want := range []string{TaintKey + ":NoSchedule", "[$MESHCNI_GRACE_PERIOD]", "[$MESHCNI_AGENT_SELECTOR]", "--grace-period", "docs/taint.md"} {
-		want = strings.TrimPrefix(want, "-") // flag prints flags with one dash
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("--help lacks %q:\n%s", want, out.String())
 		}
 	}
-	if _, err := ParseFlags([]string{"-h"}, func(string) string { return "" }, io.Discard); !errors.Is(err, flag.ErrHelp) {
+	if _, err := ParseFlags([]string{"-h"}, func(string) string { return "" }, io.Discard); !errors.Is(err, pflag.ErrHelp) {
 		t.Errorf("-h: %v", err)
 	}
 	for _, tc := range []struct {

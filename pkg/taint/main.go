@@ -3,13 +3,13 @@ package taint
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
 	"os/signal"
 	"syscall"
 
+	"github.com/spf13/pflag"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -21,7 +21,7 @@ import (
 // or --help, 2: bad settings, 1: failure, including a lost Lease).
 func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 	cfg, err := ParseFlags(args, getenv, stderr)
-	if errors.Is(err, flag.ErrHelp) {
+	if errors.Is(err, pflag.ErrHelp) {
 		return 0
 	}
 	if err != nil {

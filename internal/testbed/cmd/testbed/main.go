@@ -12,7 +12,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"log/slog"
 	"os"
@@ -22,7 +21,10 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/spf13/pflag"
+
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/pkg/flagenv"
 )
 
 func main() {
@@ -42,8 +44,7 @@ func main() {
 	case "serve":
 		err = serve(log, os.Args[2:])
 	case "down":
-		force := len(os.Args) > 2 && os.Args[2] == "--force"
-		err = testbed.Down(ctx, log, force)
+		err = testbed.Down(ctx, log, parseDown(os.Args[2:]))
 		if err == nil {
 			if left := testbed.Leftovers(); len(left) > 0 {
 				err = fmt.Errorf("left behind: %v", left)
@@ -75,10 +76,17 @@ func usage() {
 }
 
 func parseUp(name string, args []string) bool {
-	fs := flag.NewFlagSet(name, flag.ExitOnError)
+	fs := pflag.NewFlagSet(name, pflag.ExitOnError)
 	apiOnly := fs.Bool("api-only", false, "run etcd and kube-apiserver only")
-	_ = fs.Parse(args)
+	_ = fs.Parse(flagenv.GoStyle(fs, args))
 	return *apiOnly
+}
+
+func parseDown(args []string) bool {
+	fs := pflag.NewFlagSet("down", pflag.ExitOnError)
+	force := fs.Bool("force", false, "also stop a test bed a running test owns")
+	_ = fs.Parse(flagenv.GoStyle(fs, args))
+	return *force
 }
 
 // up starts `testbed serve` detached (it owns the test bed's processes and reaps
