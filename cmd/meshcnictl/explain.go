@@ -27,6 +27,7 @@ type explainFlags struct {
 	kubeconfig        string
 	namespace         string
 	excludeNamespaces []string
+	agentNamespace    string
 	agentLabel        string
 	podIPs            []string
 	timeout           time.Duration
@@ -124,7 +125,7 @@ func (f *explainFlags) plan(pod *corev1.Pod) (podPlan, error) {
 	if err != nil {
 		return podPlan{}, fmt.Errorf("--agent-pod-label: %w", err)
 	}
-	p := podPlan{Decision: podspec.Decide(corepod.From(pod), podspec.Config{ExcludeNamespaces: f.excludeNamespaces, AgentLabel: label})}
+	p := podPlan{Decision: podspec.Decide(corepod.From(pod), podspec.Config{ExcludeNamespaces: f.excludeNamespaces, AgentNamespace: f.agentNamespace, AgentLabel: label})}
 	if !p.Decision.Meshed {
 		return p, nil
 	}

@@ -102,7 +102,7 @@ that is not meshed; 2 on usage errors and when the pod or its netns cannot be fo
 	fl.StringVar(&f.nodeName, "node-name", defaultNodeName(), "this node's name, to tell when the pod runs elsewhere (from $NODE_NAME, else the host name)")
 	fl.StringVar(&f.backend, "backend", "auto", "backend whose rules to read: auto (whichever holds rules), nftables, iptables-nft or iptables-legacy")
 	fl.StringVarP(&f.output, "output", "o", "text", "text or json")
-	fl.StringVar(&f.cniConfDir, "cni-conf-dir", "/etc/cni/net.d", "the node's CNI configuration directory: the plugin's exclude_namespaces and agent_pod_label are read from meshcni's entry there, unless given as flags")
+	fl.StringVar(&f.cniConfDir, "cni-conf-dir", "/etc/cni/net.d", "the node's CNI configuration directory: the plugin's exclude_namespaces, agent_pod_namespace and agent_pod_label are read from meshcni's entry there, unless given as flags")
 	return cmd
 }
 
@@ -111,6 +111,7 @@ func (f *explainFlags) registerPodFlags(fl *pflag.FlagSet) {
 	fl.StringVar(&f.kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig to GET the pod with (default $KUBECONFIG, else the in-cluster service account)")
 	fl.StringVarP(&f.namespace, "namespace", "n", "default", "namespace of POD")
 	fl.StringSliceVar(&f.excludeNamespaces, "exclude-namespaces", nil, "the plugin's exclude_namespaces")
+	fl.StringVar(&f.agentNamespace, "agent-pod-namespace", "", "the plugin's agent_pod_namespace (the agent's namespace; empty: no pod is exempt by label)")
 	fl.StringVar(&f.agentLabel, "agent-pod-label", podspec.DefaultAgentLabel, "the plugin's agent_pod_label")
 	fl.DurationVar(&f.timeout, "timeout", 20*time.Second, "give up after this long")
 }
@@ -197,7 +198,7 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 			cfg, file, err := nodePluginConfig(f.cniConfDir)
 			switch {
 			case err == nil:
-				f.excludeNamespaces, f.agentLabel, r.PluginConfig = cfg.ExcludeNamespaces, cfg.AgentLabel.String(), file
+				f.excludeNamespaces, f.agentNamespace, f.agentLabel, r.PluginConfig = cfg.ExcludeNamespaces, cfg.AgentNamespace, cfg.AgentLabel.String(), file
 			case errors.Is(err, errNoEntry), errors.Is(err, fs.ErrNotExist):
 				// Not installed here (or another conf dir): the flags' defaults decide.
 			default:

@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
 
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
@@ -16,15 +15,18 @@ var errNoEntry = errors.New("no meshcni entry")
 
 // nodePluginConfig finds meshcni's entry in the node's CNI configuration directory
 // (the files kubelet would try, in its order; the first entry wins) and parses it
-// as the plugin does, so inspect decides with the plugin's own exclude_namespaces and
-// agent_pod_label. It returns the file the entry came from.
+// as the plugin does, so inspect decides with the plugin's own exclude_namespaces,
+// agent_pod_namespace and agent_pod_label. It returns the file the entry came from.
 func nodePluginConfig(dir string) (*plugin.Config, string, error) {
 	files, err := confdir.ListFiles(dir)
 	if err != nil {
 		return nil, "", err
 	}
 	for _, file := range files {
-		data, err := os.ReadFile(file)
+		data, err := confdir.ReadConfig(file)
+		if errors.Is(err, confdir.ErrUnloadable) {
+			continue // a FIFO, a device or an oversized file: kubelet cannot load it either
+		}
 		if err != nil {
 			return nil, "", fmt.Errorf("read %s: %w", file, err)
 		}

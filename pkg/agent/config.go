@@ -76,6 +76,7 @@ func (c *Config) Entry() cniconf.PluginEntry {
 		ExcludeNamespaces: c.ExcludeNamespaces,
 		Backend:           c.Backend,
 		Kubernetes:        cniconf.Kubernetes{Kubeconfig: c.KubeconfigPath(), CNIBinDir: c.CNIBinDir},
+		AgentPodNamespace: c.PodNamespace,
 	}
 }
 

@@ -23,6 +23,9 @@ type PluginEntry struct {
 	ExcludeNamespaces []string   `json:"exclude_namespaces"`
 	Backend           string     `json:"backend"`
 	Kubernetes        Kubernetes `json:"kubernetes"`
+	// AgentPodNamespace is the agent's own namespace: only there does the agent's
+	// pod label exempt a pod from the redirect.
+	AgentPodNamespace string `json:"agent_pod_namespace,omitempty"`
 }
 
 // Kubernetes is the "kubernetes" object of PluginEntry.
@@ -79,6 +82,9 @@ func (e PluginEntry) Validate() error {
 		if !IsNamespaceName(ns) {
 			return fmt.Errorf("plugin entry: exclude_namespaces: %q is not a valid namespace name", ns)
 		}
+	}
+	if e.AgentPodNamespace != "" && !IsNamespaceName(e.AgentPodNamespace) {
+		return fmt.Errorf("plugin entry: agent_pod_namespace: %q is not a valid namespace name", e.AgentPodNamespace)
 	}
 	return nil
 }

@@ -59,12 +59,13 @@ type Config struct {
 	ExcludeNamespaces []string
 	Backend           backend.Kind
 	APITimeout        time.Duration
+	AgentNamespace    string // "": no pod is exempt by the agent label
 	AgentLabel        podspec.Label
 }
 
 // PodspecConfig is the decision's view of the configuration.
 func (c *Config) PodspecConfig() podspec.Config {
-	return podspec.Config{ExcludeNamespaces: c.ExcludeNamespaces, AgentLabel: c.AgentLabel}
+	return podspec.Config{ExcludeNamespaces: c.ExcludeNamespaces, AgentNamespace: c.AgentNamespace, AgentLabel: c.AgentLabel}
 }
 
 func badField(field string, value any, reason string) *types.Error {
@@ -154,6 +155,12 @@ func parseConfig(stdin []byte, withPrev bool) (*Config, error) {
 		return nil, badField("api_timeout", string(raw.APITimeout), err.Error())
 	}
 
+	if ns := raw.AgentPodNamespace; ns != "" {
+		if !cniconf.IsNamespaceName(ns) {
+			return nil, badField("agent_pod_namespace", strconv.Quote(ns), "not a valid namespace name")
+		}
+		c.AgentNamespace = ns
+	}
 	c.AgentLabel, _ = podspec.ParseLabel(podspec.DefaultAgentLabel)
 	if raw.AgentPodLabel != "" {
 		if c.AgentLabel, err = podspec.ParseLabel(raw.AgentPodLabel); err != nil {

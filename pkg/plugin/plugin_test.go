@@ -507,6 +507,7 @@ func TestParseConfig(t *testing.T) {
 		{base(`,"exclude_namespaces":["Bad_NS"]`), types.ErrInvalidNetworkConfig, `exclude_namespaces "Bad_NS"`},
 		{base(`,"type":"istio-cni"`), types.ErrInvalidNetworkConfig, `type "istio-cni"`},
 		{base(`,"agent_pod_label":"a b"`), types.ErrInvalidNetworkConfig, "agent_pod_label"},
+		{base(`,"agent_pod_namespace":"Not_A_Namespace"`), types.ErrInvalidNetworkConfig, "agent_pod_namespace"},
 		{[]byte(`{"cniVersion":"1.0.0","name":"n","type":"meshcni","cni_agent_run_dir":"run/meshcni"}`), types.ErrInvalidNetworkConfig, `cni_agent_run_dir "run/meshcni"`},
 		{[]byte(`{"cniVersion":"1.0.0","name":"n","type":"meshcni"}`), types.ErrInvalidNetworkConfig, "cni_agent_run_dir"},
 		{base(`,"prevResult":{"ips":"x"}`), types.ErrDecodingFailure, "prevResult"},

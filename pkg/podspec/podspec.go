@@ -78,6 +78,10 @@ func (l Label) String() string { return l.Key + "=" + l.Value }
 // Config is what the decision needs besides the pod.
 type Config struct {
 	ExcludeNamespaces []string
+	// AgentNamespace is the node agent's namespace; its pods there that carry
+	// AgentLabel are never redirected. Empty: no pod is exempt by label (a label
+	// alone, which any workload can carry, is no opt-out).
+	AgentNamespace string
 	// AgentLabel selects the node agent's pods (zero: DefaultAgentLabel).
 	AgentLabel Label
 }
@@ -119,8 +123,8 @@ func Decide(pod *Pod, cfg Config) Decision {
 	if agent.Key == "" {
 		agent, _ = ParseLabel(DefaultAgentLabel)
 	}
-	if agent.Matches(pod.Labels) {
-		return skip("pod is the meshcni node agent (label %s)", agent)
+	if cfg.AgentNamespace != "" && pod.Namespace == cfg.AgentNamespace && agent.Matches(pod.Labels) {
+		return skip("pod is meshcni's own (namespace %s, label %s)", cfg.AgentNamespace, agent)
 	}
 	proxy, native := FindProxy(pod)
 	if proxy == nil {

@@ -92,8 +92,11 @@ func meshedPod(opts ...podOpt) *Pod {
 
 func i64(v int64) *int64 { return &v }
 
+func inNS(ns string) podOpt { return func(p *Pod) { p.Namespace = ns } }
+
 func TestDecide(t *testing.T) {
 	cfg := Config{ExcludeNamespaces: []string{"kube-system", "istio-system"}}
+	agentCfg := Config{ExcludeNamespaces: cfg.ExcludeNamespaces, AgentNamespace: "meshcni-system"}
 	tests := []struct {
 		name   string
 		pod    *Pod
@@ -107,8 +110,11 @@ func TestDecide(t *testing.T) {
 		{"no proxy", meshedPod(noProxy), cfg, false, "no istio-proxy container"},
 		{"no status annotation", meshedPod(func(p *Pod) { p.Annotations = nil }), cfg, false, "sidecar.istio.io/status"},
 		{"excluded namespace", meshedPod(func(p *Pod) { p.Namespace = "kube-system" }), cfg, false, "namespace kube-system is excluded"},
-		{"agent pod (default label)", meshedPod(label("app.kubernetes.io/name", "meshcni")), cfg, false, "node agent"},
-		{"agent pod (configured label)", meshedPod(label("k8s-app", "mesh-agent")), Config{AgentLabel: Label{"k8s-app", "mesh-agent"}}, false, "node agent"},
+		{"agent pod (default label, agent namespace)", meshedPod(inNS("meshcni-system"), label("app.kubernetes.io/name", "meshcni")), agentCfg, false, "meshcni's own"},
+		{"agent pod (configured label)", meshedPod(inNS("meshcni-system"), label("k8s-app", "mesh-agent")), Config{AgentNamespace: "meshcni-system", AgentLabel: Label{"k8s-app", "mesh-agent"}}, false, "meshcni's own"},
+		// The agent's label elsewhere is no opt-out: any workload could carry it.
+		{"agent label in another namespace", meshedPod(label("app.kubernetes.io/name", "meshcni")), agentCfg, true, "sidecar container"},
+		{"agent label, no agent namespace known", meshedPod(inNS("meshcni-system"), label("app.kubernetes.io/name", "meshcni")), cfg, true, "sidecar container"},
 		{"other app label", meshedPod(label("app.kubernetes.io/name", "web")), cfg, true, ""},
 		{"inject=false annotation", meshedPod(ann(AnnotationInject, "false")), cfg, false, "annotation sidecar.istio.io/inject=false"},
 		{"inject=false label", meshedPod(label(AnnotationInject, "false")), cfg, false, "label sidecar.istio.io/inject=false"},

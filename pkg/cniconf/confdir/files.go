@@ -107,12 +107,20 @@ func idOf(fi fs.FileInfo) fileID {
 // KiB; a larger file is skipped, not read into memory.
 const maxConfigSize = 1 << 20
 
-// errNotRegular and errTooLarge make a file unloadable: it is skipped like a file
-// libcni rejects.
+// errNotRegular and errTooLarge make a file unloadable (ErrUnloadable): it is
+// skipped like a file libcni rejects.
 var (
-	errNotRegular = errors.New("not a regular file")
-	errTooLarge   = fmt.Errorf("larger than %d bytes", maxConfigSize)
+	ErrUnloadable = errors.New("not a loadable configuration file")
+	errNotRegular = fmt.Errorf("%w: not a regular file", ErrUnloadable)
+	errTooLarge   = fmt.Errorf("%w: larger than %d bytes", ErrUnloadable, maxConfigSize)
 )
+
+// ReadConfig reads a configuration file as the agent does: never blocking on a FIFO
+// or device, at most 1 MiB (errors.Is(err, ErrUnloadable) otherwise).
+func ReadConfig(path string) ([]byte, error) {
+	data, _, _, err := readFile(path)
+	return data, err
+}
 
 // readFile reads a configuration file without ever blocking on it or reading it
 // without bound: symlinks are followed (as kubelet follows them), but the file is
@@ -142,9 +150,7 @@ func readFile(path string) (data []byte, mode fs.FileMode, id fileID, err error)
 }
 
 // unloadable reports a read error that makes a file one to skip, not a failure.
-func unloadable(err error) bool {
-	return errors.Is(err, errNotRegular) || errors.Is(err, errTooLarge)
-}
+func unloadable(err error) bool { return errors.Is(err, ErrUnloadable) }
 
 // ListFiles returns the configuration files of dir in the order kubelet tries them.
 // A missing directory holds no files.
