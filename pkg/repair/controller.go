@@ -60,6 +60,9 @@ const (
 	LogSucceeded = "repair action succeeded"
 	LogFailed    = "repair action failed, will retry"
 	LogGaveUp    = "repair action failed, giving up"
+	// Debug records: the controller looked at a pod and leaves it alone.
+	LogNotBroken   = "repair: pod not broken" // the cheap test on every add/update
+	LogNothingToDo = "repair: nothing to do"  // Decide on a queued pod
 )
 
 // Pods is the node's pod cache (pkg/nodepods.Cache).
@@ -202,7 +205,8 @@ func (c *Controller) observe(obj any) {
 	if !ok {
 		return
 	}
-	if f, _ := c.o.Policy.Criteria.Broken(pod); f == nil {
+	if f, why := c.o.Policy.Criteria.Broken(pod); f == nil {
+		c.o.Log.Debug(LogNotBroken, "pod_namespace", pod.Namespace, "pod_name", pod.Name, "pod_uid", string(pod.UID), "reason", why)
 		return
 	}
 	key, err := cache.MetaNamespaceKeyFunc(pod)
@@ -341,7 +345,7 @@ func (c *Controller) process(ctx context.Context, key string) {
 	d := Decide(pod, c.o.Policy)
 	log := c.o.Log.With("pod_namespace", ns, "pod_name", name, "pod_uid", string(pod.UID))
 	if !d.Act {
-		log.Debug("repair: nothing to do", "reason", d.Reason)
+		log.Debug(LogNothingToDo, "reason", d.Reason)
 		c.queue.Forget(key)
 		return
 	}
