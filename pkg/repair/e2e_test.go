@@ -1,6 +1,6 @@
 package repair_test
 
-// The race, reproduced on the real test bed (pkg/testbed, full mode): kubelet runs
+// The race, reproduced on the real test bed (internal/testbed, full mode): kubelet runs
 // with the primary CNI only, meshed pods start unredirected and their real
 // `meshcnictl validate` init container (UID 1337, non-root, no capabilities) exits
 // 126; then the agent starts (in process: agent.New + AddRepair + Run, pointed at the
