@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -28,11 +29,14 @@ func startServer(t *testing.T, onReq func(context.Context, *Request) (json.RawMe
 	return startServerWith(t, onReq, 50*time.Millisecond)
 }
 
-func startServerWith(t *testing.T, onReq func(context.Context, *Request) (json.RawMessage, error), linger time.Duration) (string, *collected, context.CancelFunc, chan error) {
+func startServerWith(t *testing.T, onReq func(context.Context, *Request) (json.RawMessage, error), linger time.Duration, opts ...func(*Server)) (string, *collected, context.CancelFunc, chan error) {
 	t.Helper()
 	dir := t.TempDir()
 	c := &collected{logs: make(chan *LogRecord, 100), cmds: make(chan *CommandResult, 100)}
 	s := &Server{Path: Path(dir), OnLog: func(r *LogRecord) { c.logs <- r }, OnCommand: func(r *CommandResult) { c.cmds <- r }, OnRequest: onReq, Linger: linger}
+	for _, o := range opts {
+		o(s)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	l, err := Listen(s.Path)
 	if err != nil {
@@ -43,6 +47,24 @@ func startServerWith(t *testing.T, onReq func(context.Context, *Request) (json.R
 	go func() { done <- s.ServeListener(ctx, l); close(finished) }()
 	t.Cleanup(func() { cancel(); <-finished })
 	return dir, c, cancel, done
+}
+
+// syncBuffer is a bytes.Buffer safe for a logger and a reader at once.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
 
 func recv[T any](t *testing.T, ch chan T) T {
@@ -686,7 +708,10 @@ func TestListenMode(t *testing.T) {
 // descriptor left (EMFILE) does not stop the server; the waiting connection is served
 // once descriptors are free again.
 func TestAcceptOutOfDescriptors(t *testing.T) {
-	dir, got, _, done := startServer(t, nil)
+	var logs syncBuffer
+	dir, got, _, done := startServerWith(t, nil, 50*time.Millisecond, func(s *Server) {
+		s.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	})
 	var lim unix.Rlimit
 	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
 		t.Fatal(err)
@@ -735,12 +760,18 @@ func TestAcceptOutOfDescriptors(t *testing.T) {
 	if err := c.ReportCommand(CommandAdd, ResultSuccess, time.Millisecond, Pod{Namespace: "ns", Name: "p"}, nil); err != nil {
 		t.Fatal(err)
 	}
+	// The server tried to accept the connection and failed for want of a descriptor.
+	for deadline := time.Now().Add(5 * time.Second); !strings.Contains(logs.String(), "accept, retrying"); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no failed accept logged within 5s:\n%s", logs.String())
+		}
+	}
 	select {
 	case err := <-done:
 		t.Fatalf("server stopped while out of descriptors: %v", err)
 	case <-got.cmds:
 		t.Fatal("served without a descriptor to accept with")
-	case <-time.After(100 * time.Millisecond):
+	default:
 	}
 	for _, fd := range fill {
 		unix.Close(fd)
