@@ -6,7 +6,7 @@
 //	meshcni-proxysim client [flags]      one TCP probe, prints a JSON ProbeResult
 //	meshcni-proxysim dns-client [flags]  one DNS query, prints a JSON DNSResult
 //
-// Build it static: CGO_ENABLED=0 go build ./cmd/meshcni-proxysim
+// Build it static: CGO_ENABLED=0 go build ./hack/proxysim
 package main
 
 import (

@@ -64,7 +64,7 @@ func build(gobin string) (string, error) {
 		return "", err
 	}
 	out := filepath.Join(dir, "meshcni-proxysim")
-	cmd := exec.Command(gobin, "build", "-o", out, "./cmd/meshcni-proxysim")
+	cmd := exec.Command(gobin, "build", "-o", out, "./hack/proxysim")
 	cmd.Dir = root
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if b, err := cmd.CombinedOutput(); err != nil {
