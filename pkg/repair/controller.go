@@ -60,9 +60,10 @@ const (
 	LogSucceeded = "repair action succeeded"
 	LogFailed    = "repair action failed, will retry"
 	LogGaveUp    = "repair action failed, giving up"
-	// Debug records: the controller looked at a pod and leaves it alone.
+	// Debug records: the controller looked at a pod and leaves it alone (for now).
 	LogNotBroken   = "repair: pod not broken" // the cheap test on every add/update
-	LogNothingToDo = "repair: nothing to do"  // Decide on a queued pod
+	LogNothingToDo = "repair: nothing to do"  // Decide on a queued pod, or its failed run was handled
+	LogRetryLater  = "repair: retry later"    // a transient condition (stale pod, plugin not installed)
 )
 
 // Pods is the node's pod cache (pkg/nodepods.Cache).
@@ -351,6 +352,9 @@ func (c *Controller) process(ctx context.Context, key string) {
 	}
 	if done, giveUp := c.handled(pod, d); done {
 		c.queue.Forget(key)
+		if !giveUp {
+			log.Debug(LogNothingToDo, "reason", "this failed run was handled", "container_id", d.Failure.ContainerID)
+		}
 		if giveUp {
 			msg := fmt.Sprintf("meshcni repaired the pod's traffic redirect in place %d times and %s still fails (exit %d): the redirect may not be the cause; not repairing again",
 				MaxRepairsPerPod, d.Failure.Container, d.Failure.ExitCode)
@@ -375,7 +379,7 @@ func (c *Controller) process(ctx context.Context, key string) {
 		log.Info(LogSucceeded, "action", d.Action, "result", resultSuccess, "detail", detail, "reason", d.Reason,
 			"container_id", d.Failure.ContainerID, "duration", time.Since(start))
 	case errors.As(err, &retry):
-		log.Debug("repair: retry later", "action", d.Action, "reason", retry.Error())
+		log.Debug(LogRetryLater, "action", d.Action, "reason", retry.Error())
 		c.queue.AddAfter(key, retryAfter)
 	case ctx.Err() != nil:
 	default:

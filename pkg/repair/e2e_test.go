@@ -85,7 +85,7 @@ func setup(t testing.TB, tb *testbed.Testbed) string {
 		if binDir, buildErr = os.MkdirTemp("", "meshcni-repair-e2e-"); buildErr != nil {
 			return
 		}
-		for name, pkg := range map[string]string{"meshcni": "./cmd/meshcni", podget.HelperName: "./cmd/meshcni-podget", "meshcnictl": "./cmd/meshcnictl", "meshcni-proxysim": "./cmd/meshcni-proxysim"} {
+		for name, pkg := range map[string]string{"meshcni": "./cmd/meshcni", podget.HelperName: "./cmd/meshcni-podget", "meshcnictl": "./cmd/meshcnictl", "meshcni-proxysim": "./hack/proxysim"} {
 			if buildErr = ociimage.GoBinary(ctx, root, pkg, filepath.Join(binDir, name)); buildErr != nil {
 				return
 			}
