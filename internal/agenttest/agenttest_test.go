@@ -135,7 +135,19 @@ func TestNotReadyUntilBinary(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(filepath.Dir(src), podget.HelperName), helper, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(300 * time.Millisecond) // a resync (200 ms) passes: still not ready, the plugin is missing
+	// Two failed installs counted after the helper is in place: at least one resync
+	// (every 200 ms, one at a time) ran wholly after it. Still not ready: the plugin
+	// is missing.
+	failed := func() float64 {
+		v, _ := Value(a.Metrics(t), "meshcni_agent_installs_total", map[string]string{"result": "error"})
+		return v
+	}
+	since := failed()
+	for deadline := time.Now().Add(10 * time.Second); failed() < since+2; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no resync within 10s (failed installs %v, were %v)", failed(), since)
+		}
+	}
 	if ok, body, err := a.Ready(); err != nil || ok || !strings.Contains(body, "plugin binary source") {
 		t.Fatalf("ready %v (%v): %s; want 503 naming the plugin binary", ok, err, body)
 	}

@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -22,7 +23,7 @@ import (
 
 // requireOwnTestbed: the lifecycle tests start and stop their own test bed, so they
 // need root, the binaries, and no test bed run by someone else.
-func requireOwnTestbed(t *testing.T) Binaries {
+func requireOwnTestbed(t testing.TB) Binaries {
 	t.Helper()
 	testutil.RequireRoot(t)
 	b, err := Lookup()
@@ -231,14 +232,11 @@ func mustCIDR(s string) *net.IPNet {
 	return n
 }
 
-// TestAPIOnly proves the etcd + kube-apiserver mode starts within 10 s from the
-// cache and serves the API.
+// TestAPIOnly proves the etcd + kube-apiserver mode starts from the cache, serves the
+// API and runs nothing else. How fast it starts is BenchmarkStart's figure.
 func TestAPIOnly(t *testing.T) {
 	requireOwnTestbed(t)
 	tb := start(t, Options{APIOnly: true})
-	if took := tb.StartupTime; took > 10*time.Second {
-		t.Errorf("api-only start took %s, want ≤ 10s", took)
-	}
 	ctx := context.Background()
 	v, err := tb.Client.Discovery().ServerVersion()
 	if err != nil || v.GitVersion != KubernetesVersion {
@@ -252,6 +250,45 @@ func TestAPIOnly(t *testing.T) {
 		t.Errorf("api-only runs %v, want etcd and kube-apiserver", describe(ps))
 	}
 	stopClean(t, tb)
+}
+
+// BenchmarkStart measures Start (from the lock to the test bed ready: api-only,
+// etcd and kube-apiserver serving; full, the node Ready with its default
+// ServiceAccount and images imported) and Stop, once per iteration, from the cache.
+// Reported: start-ms and stop-ms (medians); ns/op is the whole round.
+func BenchmarkStart(b *testing.B) {
+	requireOwnTestbed(b)
+	for _, c := range []struct {
+		name string
+		opts Options
+	}{{"api-only", Options{APIOnly: true}}, {"full", Options{}}} {
+		b.Run(c.name, func(b *testing.B) {
+			var starts, stops []time.Duration
+			for b.Loop() {
+				ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+				tb, err := Start(ctx, c.opts)
+				cancel()
+				if err != nil {
+					b.Fatalf("start: %v", err)
+				}
+				began := time.Now()
+				if err := tb.Stop(context.Background()); err != nil {
+					b.Fatalf("stop: %v", err)
+				}
+				starts, stops = append(starts, tb.StartupTime), append(stops, time.Since(began))
+			}
+			if left := Leftovers(); len(left) > 0 {
+				b.Fatalf("stop left behind: %v", left)
+			}
+			b.ReportMetric(medianMs(starts), "start-ms")
+			b.ReportMetric(medianMs(stops), "stop-ms")
+		})
+	}
+}
+
+func medianMs(ds []time.Duration) float64 {
+	slices.Sort(ds)
+	return float64(ds[len(ds)/2].Microseconds()) / 1000
 }
 
 // TestDownIsIdempotent: Down with nothing running succeeds and leaves nothing.

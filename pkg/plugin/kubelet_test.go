@@ -26,7 +26,6 @@ import (
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
 
 const (
@@ -193,16 +192,17 @@ func TestKubeletChain(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		s, err := podspec.Spec(corepod.From(pod))
-		if err != nil {
-			t.Fatal(err)
-		}
-		var ips []netip.Addr
+		// Istio's defaults, for the pod's address families.
+		s := istioSidecarSpec()
+		s.EnableIPv4 = false
 		for _, ip := range pod.Status.PodIPs {
-			ips = append(ips, netip.MustParseAddr(ip.IP))
+			if netip.MustParseAddr(ip.IP).Is4() {
+				s.EnableIPv4 = true
+			} else {
+				s.EnableIPv6 = true
+			}
 		}
-		podspec.WithFamilies(s, ips)
-		d, err := engine.Check(ctx, engine.Options{Backend: backend.Auto, NetnsPath: netns}, s)
+		d, err := engine.Check(ctx, engine.Options{Backend: backend.Auto, NetnsPath: netns}, &s)
 		if err != nil || !d.Empty() {
 			t.Fatalf("rules in the pod: err %v, drift:\n%s", err, d)
 		}

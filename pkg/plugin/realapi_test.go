@@ -29,7 +29,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/nodepods"
 	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
+	"github.com/meshcni/meshcni/pkg/spec"
 )
 
 const e2eNamespace = "meshcni-plugin-e2e"
@@ -104,10 +104,7 @@ func live(t *testing.T, netns string) map[backend.Kind]string {
 // nftRuleset lists the whole nftables ruleset of a netns (iptables-nft included).
 func nftRuleset(t *testing.T, netns string) string {
 	t.Helper()
-	nft, err := exec.LookPath("nft")
-	if err != nil {
-		return ""
-	}
+	nft := testutil.RequireBinary(t, "nft")
 	out, err := traffic.RunInNetns(netns, traffic.Root, 10*time.Second, nft, "list", "ruleset")
 	if err != nil {
 		t.Fatalf("nft list ruleset: %v\n%s", err, out)
@@ -115,23 +112,59 @@ func nftRuleset(t *testing.T, netns string) string {
 	return strings.TrimSpace(string(out))
 }
 
+// istioSidecarSpec is the redirect of an injected pod without traffic annotations on
+// an IPv4 pod, as istio-cni programs it (istio-iptables -p 15001 -z 15006 -e 15008
+// -u 1337 -g 1337 -m REDIRECT -i '*' -x "" -b '*' -d 15020,15021,15090 -o 15020),
+// written out field by field.
+func istioSidecarSpec() spec.Spec {
+	return spec.Spec{
+		ProxyPort:            15001,
+		InboundCapturePort:   15006,
+		InboundTunnelPort:    15008,
+		DNSPort:              15053,
+		ProxyUIDs:            []uint32{1337},
+		ProxyGIDs:            []uint32{1337},
+		Mode:                 spec.ModeRedirect,
+		InboundPorts:         spec.PortSet{All: true},
+		InboundPortsExclude:  []uint16{15020, 15021, 15090},
+		OutboundIPRanges:     spec.PrefixSet{All: true},
+		OutboundPortsExclude: []uint16{15020},
+		TProxyMark:           1337,
+		TProxyRouteTable:     133,
+		EnableIPv4:           true,
+		HostLoopback:         netip.MustParsePrefix("127.0.0.1/32"),
+	}
+}
+
 // TestRealAPIDecisionMatrix stores pods in a real API server, runs ADD through libcni
 // for each in a fresh netns, and checks the netns: the meshed pods' rules equal the
-// desired ones (engine.Check, no drift), the others have no rule at all. DEL then
+// spec written out in the table (engine.Check, no drift), the others have no rule at all. DEL then
 // leaves nothing.
 func TestRealAPIDecisionMatrix(t *testing.T) {
 	tbd := testbedAPI(t)
 	runDir := t.TempDir()
 	kc := tbd.Kubeconfig()
+	// want is the redirect Istio's sidecar injection gives the pod, written out here
+	// (nil: not meshed, no rule at all), independently of pkg/podspec.
+	annotated := istioSidecarSpec()
+	annotated.InboundPorts = spec.PortSet{Ports: []uint16{8080, 9090}}
+	annotated.OutboundPortsExclude = []uint16{5432} // the annotation replaces the default 15020
+	annotated.OutboundIPRangesExclude = []netip.Prefix{netip.MustParsePrefix("169.254.169.254/32")}
+	annotated.ExcludeInterfaces = []string{"net1"}
+	annotated.RedirectDNS, annotated.CaptureAllDNS = true, true
+	annotated.ProxyUIDs, annotated.ProxyGIDs = []uint32{2000}, []uint32{2000}
+	tproxy := istioSidecarSpec()
+	tproxy.Mode = spec.ModeTProxy
+	sidecar := istioSidecarSpec()
 	tests := []struct {
-		name   string
-		ns     string
-		opts   []podOpt
-		meshed bool
+		name string
+		ns   string
+		opts []podOpt
+		want *spec.Spec
 	}{
-		{"sidecar", e2eNamespace, nil, true},
-		{"native-sidecar", e2eNamespace, []podOpt{asNativeSidecar}, true},
-		{"tproxy", e2eNamespace, []podOpt{withAnn(podspec.AnnotationInterceptionMode, "TPROXY")}, true},
+		{"sidecar", e2eNamespace, nil, &sidecar},
+		{"native-sidecar", e2eNamespace, []podOpt{asNativeSidecar}, &sidecar},
+		{"tproxy", e2eNamespace, []podOpt{withAnn(podspec.AnnotationInterceptionMode, "TPROXY")}, &tproxy},
 		{"annotated", e2eNamespace, []podOpt{
 			withAnn(podspec.AnnotationIncludeInboundPorts, "8080,9090"),
 			withAnn(podspec.AnnotationExcludeOutboundPorts, "5432"),
@@ -139,17 +172,17 @@ func TestRealAPIDecisionMatrix(t *testing.T) {
 			withAnn(podspec.AnnotationExcludeInterfaces, "net1"),
 			withProxyEnv(podspec.EnvDNSCapture, "true"),
 			withProxyUser(2000),
-		}, true},
-		{"inject-label-true-wins", e2eNamespace, []podOpt{withLabel(podspec.AnnotationInject, "true"), withAnn(podspec.AnnotationInject, "false")}, true},
-		{"plain", e2eNamespace, []podOpt{withoutProxy}, false},
-		{"no-status", e2eNamespace, []podOpt{func(p *corev1.Pod) { delete(p.Annotations, podspec.AnnotationStatus) }}, false},
-		{"inject-label-false", e2eNamespace, []podOpt{withLabel(podspec.AnnotationInject, "false"), withAnn(podspec.AnnotationInject, "true")}, false},
-		{"inject-annotation-false", e2eNamespace, []podOpt{withAnn(podspec.AnnotationInject, "false")}, false},
-		{"istio-init", e2eNamespace, []podOpt{withIstioInit}, false},
-		{"disable-envoy", e2eNamespace, []podOpt{withProxyEnv(podspec.EnvDisableEnvoy, "true")}, false},
-		{"gateway", e2eNamespace, []podOpt{withProxyArgs("proxy", "router")}, false},
-		{"agent", e2eNamespace, []podOpt{withLabel("app.kubernetes.io/name", "meshcni")}, false},
-		{"excluded-ns", "kube-system", nil, false},
+		}, &annotated},
+		{"inject-label-true-wins", e2eNamespace, []podOpt{withLabel(podspec.AnnotationInject, "true"), withAnn(podspec.AnnotationInject, "false")}, &sidecar},
+		{"plain", e2eNamespace, []podOpt{withoutProxy}, nil},
+		{"no-status", e2eNamespace, []podOpt{func(p *corev1.Pod) { delete(p.Annotations, podspec.AnnotationStatus) }}, nil},
+		{"inject-label-false", e2eNamespace, []podOpt{withLabel(podspec.AnnotationInject, "false"), withAnn(podspec.AnnotationInject, "true")}, nil},
+		{"inject-annotation-false", e2eNamespace, []podOpt{withAnn(podspec.AnnotationInject, "false")}, nil},
+		{"istio-init", e2eNamespace, []podOpt{withIstioInit}, nil},
+		{"disable-envoy", e2eNamespace, []podOpt{withProxyEnv(podspec.EnvDisableEnvoy, "true")}, nil},
+		{"gateway", e2eNamespace, []podOpt{withProxyArgs("proxy", "router")}, nil},
+		{"agent", e2eNamespace, []podOpt{withLabel("app.kubernetes.io/name", "meshcni")}, nil},
+		{"excluded-ns", "kube-system", nil, nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -164,13 +197,8 @@ func TestRealAPIDecisionMatrix(t *testing.T) {
 			if !strings.Contains(fmt.Sprint(res), "10.250.0.2") {
 				t.Fatalf("result %v lost the prevResult's IP", res)
 			}
-			if tt.meshed {
-				s, err := podspec.Spec(corepod.From(pod))
-				if err != nil {
-					t.Fatal(err)
-				}
-				podspec.WithFamilies(s, []netip.Addr{netip.MustParseAddr("10.250.0.2")})
-				d, err := engine.Check(context.Background(), engine.Options{Backend: backend.Auto, NetnsPath: netns}, s)
+			if tt.want != nil {
+				d, err := engine.Check(context.Background(), engine.Options{Backend: backend.Auto, NetnsPath: netns}, tt.want)
 				if err != nil {
 					t.Fatalf("engine.Check: %v", err)
 				}
@@ -363,10 +391,16 @@ func TestTrafficThroughPlugin(t *testing.T) {
 	if err := ch.cfg.DelNetworkList(context.Background(), ch.list, rt); err != nil {
 		t.Fatalf("DEL: %v", err)
 	}
-	// After DEL the redirect is gone: outbound no longer lands on the proxy.
-	a := traffic.Dial(t, pod.NetNS, netip.AddrPortFrom(pod.PeerIPv4, 8080), traffic.DialOptions{Cred: app, Timeout: time.Second})
+	// After DEL the redirect is gone: outbound reaches the peer's own server directly
+	// (a failed connection proves nothing, so it fails the test too).
+	peer := netip.AddrPortFrom(pod.PeerIPv4, 8080)
+	traffic.StartApp(t, pod.PeerNetNS, netip.MustParseAddrPort("[::]:8080"), "peer-app")
+	a := traffic.Dial(t, pod.NetNS, peer, traffic.DialOptions{Cred: app, Timeout: time.Second})
 	if a.Proxy != nil {
 		t.Fatalf("still redirected after DEL: %+v", a.Proxy)
+	}
+	if a.App == nil || a.App.Server != "peer-app" || a.App.Local != peer {
+		t.Fatalf("after DEL, want the peer's server reached directly at %v, got %+v (app %+v)", peer, a.ProbeResult, a.App)
 	}
 }
 

@@ -60,6 +60,10 @@ const (
 	LogSucceeded = "repair action succeeded"
 	LogFailed    = "repair action failed, will retry"
 	LogGaveUp    = "repair action failed, giving up"
+	// Debug records: the controller looked at a pod and leaves it alone (for now).
+	LogNotBroken   = "repair: pod not broken" // the cheap test on every add/update
+	LogNothingToDo = "repair: nothing to do"  // Decide on a queued pod, or its failed run was handled
+	LogRetryLater  = "repair: retry later"    // a transient condition (stale pod, plugin not installed)
 )
 
 // Pods is the node's pod cache (pkg/nodepods.Cache).
@@ -202,7 +206,8 @@ func (c *Controller) observe(obj any) {
 	if !ok {
 		return
 	}
-	if f, _ := c.o.Policy.Criteria.Broken(pod); f == nil {
+	if f, why := c.o.Policy.Criteria.Broken(pod); f == nil {
+		c.o.Log.Debug(LogNotBroken, "pod_namespace", pod.Namespace, "pod_name", pod.Name, "pod_uid", string(pod.UID), "reason", why)
 		return
 	}
 	key, err := cache.MetaNamespaceKeyFunc(pod)
@@ -341,12 +346,15 @@ func (c *Controller) process(ctx context.Context, key string) {
 	d := Decide(pod, c.o.Policy)
 	log := c.o.Log.With("pod_namespace", ns, "pod_name", name, "pod_uid", string(pod.UID))
 	if !d.Act {
-		log.Debug("repair: nothing to do", "reason", d.Reason)
+		log.Debug(LogNothingToDo, "reason", d.Reason)
 		c.queue.Forget(key)
 		return
 	}
 	if done, giveUp := c.handled(pod, d); done {
 		c.queue.Forget(key)
+		if !giveUp {
+			log.Debug(LogNothingToDo, "reason", "this failed run was handled", "container_id", d.Failure.ContainerID)
+		}
 		if giveUp {
 			msg := fmt.Sprintf("meshcni repaired the pod's traffic redirect in place %d times and %s still fails (exit %d): the redirect may not be the cause; not repairing again",
 				MaxRepairsPerPod, d.Failure.Container, d.Failure.ExitCode)
@@ -371,7 +379,7 @@ func (c *Controller) process(ctx context.Context, key string) {
 		log.Info(LogSucceeded, "action", d.Action, "result", resultSuccess, "detail", detail, "reason", d.Reason,
 			"container_id", d.Failure.ContainerID, "duration", time.Since(start))
 	case errors.As(err, &retry):
-		log.Debug("repair: retry later", "action", d.Action, "reason", retry.Error())
+		log.Debug(LogRetryLater, "action", d.Action, "reason", retry.Error())
 		c.queue.AddAfter(key, retryAfter)
 	case ctx.Err() != nil:
 	default:

@@ -61,6 +61,7 @@ func (a *applies) count() int {
 }
 
 type harness struct {
+	logs   *logRecords
 	client *fake.Clientset
 	events *record.FakeRecorder
 	c      *Controller
@@ -77,14 +78,14 @@ func start(t *testing.T, action Action, mut func(*Options, *fake.Clientset), pod
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := &harness{client: cs, events: record.NewFakeRecorder(100), apply: &applies{}, done: make(chan struct{})}
+	h := &harness{logs: &logRecords{}, client: cs, events: record.NewFakeRecorder(100), apply: &applies{}, done: make(chan struct{})}
 	h.m, _ = NewMetrics(nil)
 	o := Options{
 		Policy: Policy{Node: node, Action: action, Criteria: criteria(), LabelKey: DefaultLabelKey,
 			Mesh: podspec.Config{ExcludeNamespaces: []string{"kube-system"}}},
 		Backend: backend.Nftables, Client: cs, Events: h.events, Pods: cache,
 		Netns: fakeNetns{}, Apply: h.apply.apply, Metrics: h.m, MaxAttempts: 2,
-		Log: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		Log: slog.New(recording{out: slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}), recs: h.logs}),
 	}
 	if mut != nil {
 		mut(&o, cs) // before anything runs
@@ -133,13 +134,81 @@ func (h *harness) nextEvent(t *testing.T) string {
 	}
 }
 
+// noEvent asserts that no Event is pending. Call it once the controller is known to
+// have handled what could have caused one (judged): an Event is sent before the
+// record that ends the handling.
 func (h *harness) noEvent(t *testing.T) {
 	t.Helper()
 	select {
 	case e := <-h.events.Events:
 		t.Fatalf("unexpected Event %q", e)
-	case <-time.After(300 * time.Millisecond):
+	default:
 	}
+}
+
+// judged waits for a record msg of the controller about the pod with uid whose
+// attributes include want, logged after the mark since: proof that it looked.
+func (h *harness) judged(t *testing.T, since int, msg, uid string, want map[string]string) {
+	t.Helper()
+	eventually(t, fmt.Sprintf("%q about pod %s %v", msg, uid, want), func() bool {
+		return h.logs.has(since, msg, uid, want)
+	})
+}
+
+// logRecords keeps the controller's log records, every level.
+type logRecords struct {
+	mu   sync.Mutex
+	list []map[string]string // attributes, with the message as "msg"
+}
+
+// mark is the number of records so far.
+func (l *logRecords) mark() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.list)
+}
+
+// has reports whether a record after the mark since has msg, uid and want.
+func (l *logRecords) has(since int, msg, uid string, want map[string]string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+next:
+	for _, r := range l.list[since:] {
+		if r["msg"] != msg || r["pod_uid"] != uid {
+			continue
+		}
+		for k, v := range want {
+			if r[k] != v {
+				continue next
+			}
+		}
+		return true
+	}
+	return false
+}
+
+// recording is a slog.Handler that keeps every record and passes them to out.
+type recording struct {
+	out   slog.Handler
+	recs  *logRecords
+	attrs []slog.Attr
+}
+
+func (h recording) Enabled(context.Context, slog.Level) bool { return true }
+func (h recording) WithGroup(string) slog.Handler            { return h }
+func (h recording) WithAttrs(as []slog.Attr) slog.Handler {
+	return recording{out: h.out.WithAttrs(as), recs: h.recs, attrs: append(append([]slog.Attr(nil), h.attrs...), as...)}
+}
+func (h recording) Handle(ctx context.Context, r slog.Record) error {
+	m := map[string]string{"msg": r.Message}
+	for _, a := range h.attrs {
+		m[a.Key] = a.Value.String()
+	}
+	r.Attrs(func(a slog.Attr) bool { m[a.Key] = a.Value.String(); return true })
+	h.recs.mu.Lock()
+	h.recs.list = append(h.recs.list, m)
+	h.recs.mu.Unlock()
+	return h.out.Handle(ctx, r)
 }
 
 func (h *harness) count(action Action, result string) float64 {
@@ -186,7 +255,9 @@ func TestControllerRepairOncePerFailedRun(t *testing.T) {
 	st.LastTerminationState, st.State = st.State, corev1.ContainerState{Running: &corev1.ContainerStateRunning{}}
 	h.updateStatus(t, st)
 	// A run that started before the repair and failed: the repair may have come too late for it.
+	m := h.logs.mark()
 	h.updateStatus(t, failedRun("containerd://run3", time.Now().Add(-3*time.Second)))
+	h.judged(t, m, LogNothingToDo, "uid-1", map[string]string{"container_id": "containerd://run3"})
 	h.noEvent(t)
 	// A run started after the repair fails again: repaired again, at most MaxRepairsPerPod times.
 	for i := 2; i <= MaxRepairsPerPod; i++ {
@@ -195,10 +266,16 @@ func TestControllerRepairOncePerFailedRun(t *testing.T) {
 			t.Fatalf("Event %q", e)
 		}
 	}
-	h.updateStatus(t, failedRun("containerd://late-last", time.Now().Add(time.Minute)))
+	late := failedRun("containerd://late-last", time.Now().Add(time.Minute))
+	h.updateStatus(t, late)
 	if e := h.nextEvent(t); !strings.HasPrefix(e, "Warning "+ReasonGaveUp) {
 		t.Fatalf("Event %q", e)
 	}
+	// Seen again (another status update of the same run): handled, once given up.
+	late.RestartCount++
+	m = h.logs.mark()
+	h.updateStatus(t, late)
+	h.judged(t, m, LogNothingToDo, "uid-1", map[string]string{"container_id": "containerd://late-last"})
 	h.noEvent(t)
 	if n := h.apply.count(); n != MaxRepairsPerPod {
 		t.Fatalf("%d applies, want %d", n, MaxRepairsPerPod)
@@ -214,6 +291,12 @@ func TestControllerRepairFailureIsReportedAndBounded(t *testing.T) {
 	if e := h.nextEvent(t); !strings.HasPrefix(e, "Warning "+ReasonGaveUp+" ") {
 		t.Fatalf("Event %q", e)
 	}
+	// Seen again (another status update of the same run): given up, nothing more.
+	st := brokenPod().Status.InitContainerStatuses[0]
+	st.RestartCount++
+	m := h.logs.mark()
+	h.updateStatus(t, st)
+	h.judged(t, m, LogNothingToDo, "uid-1", map[string]string{"container_id": st.State.Terminated.ContainerID})
 	h.noEvent(t)
 	if h.count(ActionRepair, resultError) != 2 || h.count(ActionRepair, resultSuccess) != 0 || h.apply.count() != 0 {
 		t.Fatalf("metrics error=%v success=%v applies=%d", h.count(ActionRepair, resultError), h.count(ActionRepair, resultSuccess), h.apply.count())
@@ -235,7 +318,8 @@ func TestControllerDeleteWaitsForPluginAndUsesPreconditions(t *testing.T) {
 			return false, nil, nil
 		})
 	}, pod)
-	h.noEvent(t) // not ready: waits
+	h.judged(t, 0, LogRetryLater, "uid-1", nil) // not ready: waits
+	h.noEvent(t)
 	mu.Lock()
 	ready = nil
 	mu.Unlock()
@@ -264,7 +348,9 @@ func TestControllerLabelsOnce(t *testing.T) {
 		p, err := h.client.CoreV1().Pods("app").Get(context.Background(), "web", metav1.GetOptions{})
 		return err == nil && p.Labels[DefaultLabelKey] == LabelValue && p.Labels["app"] == "web"
 	})
+	m := h.logs.mark()
 	h.updateStatus(t, failedRun("containerd://run9", time.Now().Add(time.Minute)))
+	h.judged(t, m, LogNothingToDo, "uid-1", nil)
 	h.noEvent(t)
 	if h.count(ActionLabel, resultSuccess) != 1 || h.apply.count() != 0 {
 		t.Fatal("metric or applies")
@@ -285,6 +371,12 @@ func TestControllerLeavesOthersAlone(t *testing.T) {
 	elsewhere := brokenPod()
 	elsewhere.Name, elsewhere.UID, elsewhere.Spec.NodeName = "elsewhere", "uid-6", "node-b"
 	h := start(t, ActionDelete, nil, healthy, plain, excluded, other, elsewhere)
+	// Each judged: not broken (the cheap test) or nothing to do (Decide).
+	for _, uid := range []string{"uid-2", "uid-3", "uid-4", "uid-5", "uid-6"} {
+		eventually(t, "controller judged pod "+uid, func() bool {
+			return h.logs.has(0, LogNotBroken, uid, nil) || h.logs.has(0, LogNothingToDo, uid, nil)
+		})
+	}
 	h.noEvent(t)
 	l, err := h.client.CoreV1().Pods("").List(context.Background(), metav1.ListOptions{})
 	if err != nil || len(l.Items) != 5 {

@@ -1,6 +1,6 @@
 package repair_test
 
-// The race, reproduced on the real test bed (pkg/testbed, full mode): kubelet runs
+// The race, reproduced on the real test bed (internal/testbed, full mode): kubelet runs
 // with the primary CNI only, meshed pods start unredirected and their real
 // `meshcnictl validate` init container (UID 1337, non-root, no capabilities) exits
 // 126; then the agent starts (in process: agent.New + AddRepair + Run, pointed at the
@@ -71,7 +71,7 @@ var (
 
 // setup builds meshcni (for the agent to install), meshcnictl and meshcni-proxysim,
 // and imports a FROM-scratch image with the latter two into the test bed, once.
-func setup(t *testing.T, tb *testbed.Testbed) string {
+func setup(t testing.TB, tb *testbed.Testbed) string {
 	t.Helper()
 	testutil.RequireBinary(t, "go")
 	buildOnce.Do(func() {
@@ -169,7 +169,7 @@ func newPod(ns, name string, kind podKind) *corev1.Pod {
 	return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Annotations: ann, Labels: map[string]string{"app": name}}, Spec: s}
 }
 
-func namespace(t *testing.T, ctx context.Context, tb *testbed.Testbed, name string) {
+func namespace(t testing.TB, ctx context.Context, tb *testbed.Testbed, name string) {
 	t.Helper()
 	if err := tb.CreateNamespace(ctx, name); err != nil && !apierrors.IsAlreadyExists(err) && !strings.Contains(err.Error(), "already exists") {
 		t.Fatal(err)
@@ -180,7 +180,7 @@ func namespace(t *testing.T, ctx context.Context, tb *testbed.Testbed, name stri
 }
 
 // waitFor polls cond every 50 ms until it holds, fails or d passes.
-func waitFor(t *testing.T, ctx context.Context, d time.Duration, what string, cond func() (bool, error)) {
+func waitFor(t testing.TB, ctx context.Context, d time.Duration, what string, cond func() (bool, error)) {
 	t.Helper()
 	deadline := time.Now().Add(d)
 	var last error
@@ -215,7 +215,7 @@ func initExit(p *corev1.Pod) (code int32, completed bool) {
 }
 
 // waitInitExit waits until the pod's validation container has exited with code.
-func waitInitExit(t *testing.T, ctx context.Context, tb *testbed.Testbed, ns, name string, code int32) *corev1.Pod {
+func waitInitExit(t testing.TB, ctx context.Context, tb *testbed.Testbed, ns, name string, code int32) *corev1.Pod {
 	t.Helper()
 	var pod *corev1.Pod
 	waitFor(t, ctx, 60*time.Second, fmt.Sprintf("%s/%s: %s exits %d", ns, name, repair.DefaultInitContainer, code), func() (bool, error) {
@@ -276,7 +276,7 @@ func (h *logSink) find(msg string) []logRecord {
 	return out
 }
 
-func (h *logSink) dump(t *testing.T) {
+func (h *logSink) dump(t testing.TB) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	for _, r := range *h.records {
@@ -291,11 +291,12 @@ type runningAgent struct {
 	*agent.Agent
 	logs    *logSink
 	started time.Time
+	stop    func() // stops it (once); also run when the test ends
 }
 
 // startAgent runs the agent against the test bed with the repair controller in
 // action; it is stopped (and the plugin uninstalled) when the test ends.
-func startAgent(t *testing.T, tb *testbed.Testbed, bin string, action repair.Action) *runningAgent {
+func startAgent(t testing.TB, tb *testbed.Testbed, bin string, action repair.Action) *runningAgent {
 	t.Helper()
 	runDir, err := os.MkdirTemp("/run", "meshcni-repair-e2e-")
 	if err != nil {
@@ -329,7 +330,7 @@ func startAgent(t *testing.T, tb *testbed.Testbed, bin string, action repair.Act
 	done := make(chan error, 1)
 	ra := &runningAgent{Agent: a, logs: logs, started: time.Now()}
 	go func() { done <- a.Run(ctx) }()
-	t.Cleanup(func() {
+	ra.stop = sync.OnceFunc(func() {
 		cancel()
 		if err := <-done; err != nil {
 			t.Errorf("agent: %v", err)
@@ -339,11 +340,12 @@ func startAgent(t *testing.T, tb *testbed.Testbed, bin string, action repair.Act
 			logs.dump(t)
 		}
 	})
+	t.Cleanup(ra.stop)
 	return ra
 }
 
 // watching is when the repair controller's cache had synced.
-func (a *runningAgent) watching(t *testing.T, ctx context.Context) time.Time {
+func (a *runningAgent) watching(t testing.TB, ctx context.Context) time.Time {
 	t.Helper()
 	var at time.Time
 	waitFor(t, ctx, 30*time.Second, "repair controller watching", func() (bool, error) {
@@ -357,6 +359,23 @@ func (a *runningAgent) watching(t *testing.T, ctx context.Context) time.Time {
 	return at
 }
 
+// lookedAt waits until the agent's repair controller has judged the pod: it found it
+// not broken, decided there was nothing to do, or acted (any outcome). Only then does
+// "nothing was done to it" prove anything.
+func (a *runningAgent) lookedAt(t testing.TB, ctx context.Context, p *corev1.Pod) {
+	t.Helper()
+	waitFor(t, ctx, 30*time.Second, fmt.Sprintf("repair controller judged %s/%s", p.Namespace, p.Name), func() (bool, error) {
+		for _, msg := range []string{repair.LogNotBroken, repair.LogNothingToDo, repair.LogSucceeded, repair.LogFailed, repair.LogGaveUp} {
+			for _, r := range a.logs.find(msg) {
+				if r.attrs["pod_uid"] == string(p.UID) {
+					return true, nil
+				}
+			}
+		}
+		return false, nil
+	})
+}
+
 // repairs returns the successful actions per pod name.
 func (a *runningAgent) repairs() map[string]logRecord {
 	out := map[string]logRecord{}
@@ -367,7 +386,7 @@ func (a *runningAgent) repairs() map[string]logRecord {
 }
 
 // repairCount reads meshcni_repairs_total{action,result} from the agent's registry.
-func (a *runningAgent) repairCount(t *testing.T, action, result string) float64 {
+func (a *runningAgent) repairCount(t testing.TB, action, result string) float64 {
 	t.Helper()
 	fams, err := a.Metrics.Registry.Gather()
 	if err != nil {
@@ -419,7 +438,7 @@ func waitEvent(t *testing.T, ctx context.Context, tb *testbed.Testbed, pod *core
 }
 
 // podNetns finds a pod's netns as the agent does (by its IPs).
-func podNetns(t *testing.T, ctx context.Context, pod *corev1.Pod) string {
+func podNetns(t testing.TB, ctx context.Context, pod *corev1.Pod) string {
 	t.Helper()
 	p, err := (&podnetns.Finder{NetnsDirs: []string{testbedNetnsDir}, ProcDir: "-"}).FindPod(ctx, pod)
 	if err != nil {
@@ -429,7 +448,7 @@ func podNetns(t *testing.T, ctx context.Context, pod *corev1.Pod) string {
 }
 
 // rulesIn reports the live meshcni rules in the pod's netns ("" = none).
-func rulesIn(t *testing.T, ctx context.Context, pod *corev1.Pod) string {
+func rulesIn(t testing.TB, ctx context.Context, pod *corev1.Pod) string {
 	t.Helper()
 	live, err := engine.Live(ctx, engine.Options{Backend: backend.Auto, NetnsPath: podNetns(t, ctx, pod)})
 	if err != nil {
@@ -497,10 +516,11 @@ func allStarted(p *corev1.Pod) bool {
 	return true
 }
 
-// untouched asserts the agent left a pod alone: same UID, no Event from the agent, no
-// repair label, no meshcni rules in its netns.
-func untouched(t *testing.T, ctx context.Context, tb *testbed.Testbed, before *corev1.Pod) {
+// untouched asserts the agent left a pod alone once its repair controller has judged
+// it: same UID, no Event from the agent, no repair label, no meshcni rules in its netns.
+func untouched(t *testing.T, ctx context.Context, tb *testbed.Testbed, a *runningAgent, before *corev1.Pod) {
 	t.Helper()
+	a.lookedAt(t, ctx, before)
 	p, err := tb.Client.CoreV1().Pods(before.Namespace).Get(ctx, before.Name, metav1.GetOptions{})
 	if err != nil {
 		t.Fatalf("%s/%s: %v (deleted?)", before.Namespace, before.Name, err)
@@ -521,7 +541,7 @@ func untouched(t *testing.T, ctx context.Context, tb *testbed.Testbed, before *c
 
 // TestRaceRepairInPlace: N meshed pods fail validation (126) without meshcni; the
 // agent starts and repairs them in place; a mixed population next to them is never
-// touched.
+// touched. How fast it repairs them is BenchmarkRaceRepairInPlace's figure.
 func TestRaceRepairInPlace(t *testing.T) {
 	tb := testbed.Shared(t)
 	bin := setup(t, tb)
@@ -532,56 +552,19 @@ func TestRaceRepairInPlace(t *testing.T) {
 	namespace(t, ctx, tb, excludedNS)
 
 	const n = 4
-	var broken []string
-	for i := range n {
-		broken = append(broken, fmt.Sprintf("broken-%d", i))
-	}
-	for _, name := range broken {
-		if _, err := tb.CreatePod(ctx, newPod(ns, name, meshedBroken)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	broken := createBroken(t, ctx, tb, ns, n)
 	others := createOthers(t, ctx, tb, ns, excludedNS, "")
 
 	// The race: without meshcni in the chain, validation finds no redirect.
 	t0 := time.Now()
-	for _, name := range broken {
-		waitInitExit(t, ctx, tb, ns, name, 126)
-	}
+	waitBroken(t, ctx, tb, ns, broken)
 	before := others.wait(t, ctx, tb)
 	t.Logf("%d meshed pods failed validation with 126 within %s", n, time.Since(t0).Round(time.Millisecond))
-	for _, name := range broken {
-		p, err := tb.Client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if r := rulesIn(t, ctx, p); r != "" {
-			t.Fatalf("%s has rules before the agent runs:\n%s", name, r)
-		}
-	}
 
 	a := startAgent(t, tb, bin, repair.ActionRepair)
-	ready := a.watching(t, ctx)
-	var last time.Time
-	waitFor(t, ctx, 10*time.Second, "every broken pod repaired", func() (bool, error) {
-		got := a.repairs()
-		for _, name := range broken {
-			r, ok := got[ns+"/"+name]
-			if !ok {
-				return false, fmt.Errorf("%s not yet", name)
-			}
-			if r.time.After(last) {
-				last = r.time
-			}
-		}
-		return true, nil
-	})
-	took := last.Sub(ready)
+	ready, last := a.waitRepaired(t, ctx, ns, broken)
 	t.Logf("in place: agent ready (cache synced) %s after Run; last of %d pods repaired (rules applied) %s after ready",
-		ready.Sub(a.started).Round(time.Millisecond), n, took.Round(time.Millisecond))
-	if took > time.Second {
-		t.Errorf("time from agent ready to the last pod repaired: %s, target ≤ 1s", took)
-	}
+		ready.Sub(a.started).Round(time.Millisecond), n, last.Sub(ready).Round(time.Millisecond))
 
 	for _, name := range broken {
 		pod := waitRunning(t, ctx, tb, ns, name, runningBound)
@@ -600,8 +583,91 @@ func TestRaceRepairInPlace(t *testing.T) {
 		t.Errorf("%d successful actions logged, want %d", got, n)
 	}
 	for _, p := range before {
-		untouched(t, ctx, tb, p)
+		untouched(t, ctx, tb, a, p)
 	}
+}
+
+// createBroken creates n meshed pods whose validation fails without meshcni.
+func createBroken(t testing.TB, ctx context.Context, tb *testbed.Testbed, ns string, n int) []string {
+	t.Helper()
+	var names []string
+	for i := range n {
+		name := fmt.Sprintf("broken-%d", i)
+		if _, err := tb.CreatePod(ctx, newPod(ns, name, meshedBroken)); err != nil {
+			t.Fatal(err)
+		}
+		names = append(names, name)
+	}
+	return names
+}
+
+// waitBroken waits until each pod's validation has exited 126, and checks that no
+// meshcni rule is in its netns yet.
+func waitBroken(t testing.TB, ctx context.Context, tb *testbed.Testbed, ns string, names []string) {
+	t.Helper()
+	for _, name := range names {
+		p := waitInitExit(t, ctx, tb, ns, name, 126)
+		if r := rulesIn(t, ctx, p); r != "" {
+			t.Fatalf("%s has rules before the agent runs:\n%s", name, r)
+		}
+	}
+}
+
+// waitRepaired waits until the agent has repaired every named pod in place and
+// returns when its repair controller was ready (cache synced) and when it logged
+// the last repair.
+func (a *runningAgent) waitRepaired(t testing.TB, ctx context.Context, ns string, names []string) (ready, last time.Time) {
+	t.Helper()
+	ready = a.watching(t, ctx)
+	waitFor(t, ctx, time.Minute, "every broken pod repaired", func() (bool, error) {
+		got := a.repairs()
+		for _, name := range names {
+			r, ok := got[ns+"/"+name]
+			if !ok {
+				return false, fmt.Errorf("%s not yet", name)
+			}
+			if r.time.After(last) {
+				last = r.time
+			}
+		}
+		return true, nil
+	})
+	return ready, last
+}
+
+// BenchmarkRaceRepairInPlace measures the in-place repair of the race: per iteration,
+// n meshed pods fail validation (126) without meshcni in a namespace of their own,
+// then an agent starts. Reported (medians): ready-ms, from the agent's Run to its
+// repair controller's cache synced; repaired-ms, from then to the last of the n pods
+// repaired (rules applied, logged by the controller). ns/op includes the pods' start.
+func BenchmarkRaceRepairInPlace(b *testing.B) {
+	tb := testbed.Shared(b)
+	bin := setup(b, tb)
+	const n = 4
+	var readies, repaired []time.Duration
+	for i := 0; b.Loop(); i++ {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+		ns := fmt.Sprintf("repair-bench-%d-%d", os.Getpid(), i)
+		namespace(b, ctx, tb, ns)
+		broken := createBroken(b, ctx, tb, ns, n)
+		waitBroken(b, ctx, tb, ns, broken)
+		a := startAgent(b, tb, bin, repair.ActionRepair)
+		ready, last := a.waitRepaired(b, ctx, ns, broken)
+		a.stop()
+		readies, repaired = append(readies, ready.Sub(a.started)), append(repaired, last.Sub(ready))
+		// The next iteration's agent must find only its own broken pods.
+		if err := tb.Client.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{}); err != nil {
+			b.Fatal(err)
+		}
+		cancel()
+	}
+	b.ReportMetric(medianMs(readies), "ready-ms")
+	b.ReportMetric(medianMs(repaired), "repaired-ms")
+}
+
+func medianMs(ds []time.Duration) float64 {
+	slices.Sort(ds)
+	return float64(ds[len(ds)/2].Microseconds()) / 1000
 }
 
 // population is the pods the agent must never touch: a healthy meshed pod, a plain
@@ -716,7 +782,7 @@ func TestRaceDelete(t *testing.T) {
 		t.Errorf("meshcni_repairs_total{action=delete,result=success} = %v, want %d", got, n)
 	}
 	for _, p := range before {
-		untouched(t, ctx, tb, p)
+		untouched(t, ctx, tb, a, p)
 	}
 	_ = tb.Client.AppsV1().ReplicaSets(ns).Delete(context.Background(), rs.Name, metav1.DeleteOptions{})
 }

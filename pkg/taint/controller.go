@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -38,6 +39,11 @@ const (
 )
 
 const nodeNameIndex = "spec.nodeName"
+
+// LogDecided is the debug record of every decision about a node: the node's
+// resourceVersion, the agent pods seen on it ("namespace/name ready=true|false"), the
+// action and its reason.
+const LogDecided = "node decided"
 
 // Controller keeps the taint in step with the agent pods. Its caches (nodes, agent
 // pods) run in every replica; only the leader reconciles and writes.
@@ -307,10 +313,11 @@ func (c *Controller) reconcile(ctx context.Context, name string) (time.Duration,
 	c.mu.Lock()
 	c.state[name] = st
 	c.mu.Unlock()
+	if c.log.Enabled(ctx, slog.LevelDebug) {
+		c.log.Debug(LogDecided, "node", name, "resource_version", node.ResourceVersion, "agent_pods", agentPods(pods),
+			"action", d.Action.String(), "reason", d.Reason, "grace_left", d.RequeueAfter.String())
+	}
 	if d.Action == None {
-		if d.RequeueAfter > 0 {
-			c.log.Debug("no Ready agent pod: grace period running", "node", name, "left", d.RequeueAfter.String())
-		}
 		return d.RequeueAfter, nil
 	}
 	changed, err := setTaint(ctx, c.cs, node, d.Action == Add)
@@ -329,6 +336,18 @@ func (c *Controller) reconcile(ctx context.Context, name string) (time.Duration,
 	c.events.Event(node, corev1.EventTypeNormal, reason, msg)
 	c.log.Info(msg, "node", name, "action", d.Action.String())
 	return 0, nil
+}
+
+// agentPods names the agent pods and whether each counts as Ready, for the logs.
+func agentPods(pods []*corev1.Pod) string {
+	var b strings.Builder
+	for i, p := range pods {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "%s/%s ready=%t", p.Namespace, p.Name, AgentPodReady(p))
+	}
+	return b.String()
 }
 
 // taintPatch is a JSON merge patch of a node's taints, with the resourceVersion it was
