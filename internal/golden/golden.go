@@ -41,7 +41,9 @@ type Dir struct {
 // Open starts checking the golden directory path for test t. When t and its
 // subtests end, a file under path that no Check named is reported as stale (or
 // removed under -update). The check is left out when the test failed or skipped,
-// or when -run/-skip select subtests (then not every case ran).
+// or when -run/-skip select subtests (then not every case ran). A test whose cases
+// may skip (a missing program, data) calls its skip gates before Open, so that the
+// whole test skips rather than some cases.
 func Open(t testing.TB, path string) *Dir {
 	t.Helper()
 	d := &Dir{path: path, hint: "rerun the test with -update", update: *update, seen: map[string]bool{}}
@@ -118,7 +120,7 @@ func (d *Dir) finish(t testing.TB) {
 			}
 			continue
 		}
-		t.Errorf("stale golden file %s: no test case checks it (%s to remove it)", p, d.hint)
+		t.Errorf("stale golden file %s: no test case produced it (%s to remove it)", p, d.hint)
 	}
 }
 
