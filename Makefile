@@ -6,7 +6,7 @@ STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(CACHE)/tools/staticcheck-$(STATICCHECK_VERSION)/staticcheck
 BIN := bin
 
-.PHONY: all build test lint unit bench demo demo-down clean
+.PHONY: all build test lint unit e2e bench bench-smoke demo demo-down clean
 
 all: build
 
@@ -22,13 +22,24 @@ lint: $(STATICCHECK)
 	$(GO) vet ./...
 	$(STATICCHECK) ./...
 
-# Unit and integration tests. Most need root (network namespaces, rules). -p 1: several
-# packages start the real single-node test bed, which is one per machine.
+# What CI runs (docs/testing.md, "What make test runs").
+test: lint unit e2e bench-smoke
+
+# Unit tests: everything that needs neither root, nor a program on PATH, nor the test
+# bed (those skip under -short, also with CI=true), packages in parallel, race detector on.
 unit:
+	$(GO) test -short -race -count=1 -timeout 10m ./...
+
+# End-to-end and root tests: real network namespaces, rules, the test bed. -p 1: several
+# packages start the one-per-machine test bed. Runs the unit tests again (without -race).
+e2e:
 	$(GO) test -count=1 -p 1 -timeout 40m ./...
 
-test: lint unit
+# Every benchmark once, so benchmark code cannot rot. Root benchmarks run as root.
+bench-smoke:
+	$(GO) test -count=1 -p 1 -run '^$$' -bench . -benchtime 1x -timeout 20m ./...
 
+# Benchmarks for figures (docs/performance.md).
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem ./pkg/...
 

@@ -40,6 +40,7 @@ const (
 // test skips, and fails under CI=true.
 func helmBinary(t testing.TB) string {
 	t.Helper()
+	testutil.Unit(t, "helm") // chart tests run helm: not unit tests (make e2e runs them)
 	if p := os.Getenv("MESHCNI_HELM"); p != "" {
 		if _, err := exec.LookPath(p); err != nil {
 			t.Fatalf("MESHCNI_HELM=%s: %v", p, err)

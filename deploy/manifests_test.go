@@ -2,16 +2,12 @@ package deploy_test
 
 import (
 	"bytes"
-	"flag"
 	"fmt"
-	"os"
 	"strings"
 	"testing"
 
-	"github.com/meshcni/meshcni/pkg/fileutil"
+	"github.com/meshcni/meshcni/internal/golden"
 )
-
-var update = flag.Bool("update", false, "rewrite deploy/manifests from the chart (make manifests)")
 
 // manifestSets are the plain manifests published in deploy/manifests, rendered from the
 // chart for release "meshcni" in namespace "meshcni-system".
@@ -59,43 +55,15 @@ metadata:
 // TestManifests fails when deploy/manifests is stale: it renders the chart again and
 // compares. With -update (make manifests) it rewrites the files.
 func TestManifests(t *testing.T) {
+	helmBinary(t) // skip or fail here, not per file (golden.Open reports unchecked files)
+	dir := golden.Open(t, "manifests").Hint("run `make manifests`")
 	for _, m := range manifestSets {
 		t.Run(m.file, func(t *testing.T) {
 			want := manifest(t, m.file, m.what, m.values)
-			if *update {
-				if err := fileutil.WriteFileAtomic(m.file, want, 0o644); err != nil {
-					t.Fatal(err)
-				}
-				return
-			}
-			got, err := os.ReadFile(m.file)
-			if err != nil {
-				t.Fatalf("%v (run `make manifests`)", err)
-			}
-			if !bytes.Equal(got, want) {
-				t.Fatalf("deploy/%s is stale: run `make manifests`\n%s", m.file, firstDiff(string(got), string(want)))
-			}
-			if _, err := parseObjects(string(got)); err != nil {
+			dir.Check(t, strings.TrimPrefix(m.file, "manifests/"), want)
+			if _, err := parseObjects(string(want)); err != nil {
 				t.Fatalf("deploy/%s: %v", m.file, err)
 			}
 		})
 	}
-}
-
-// firstDiff shows the first differing line.
-func firstDiff(got, want string) string {
-	g, w := strings.Split(got, "\n"), strings.Split(want, "\n")
-	for i := 0; i < len(g) || i < len(w); i++ {
-		var a, b string
-		if i < len(g) {
-			a = g[i]
-		}
-		if i < len(w) {
-			b = w[i]
-		}
-		if a != b {
-			return fmt.Sprintf("line %d:\n  file:  %q\n  chart: %q", i+1, a, b)
-		}
-	}
-	return ""
 }

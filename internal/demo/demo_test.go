@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"flag"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -17,14 +16,13 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshcni/meshcni/internal/build/image"
+	"github.com/meshcni/meshcni/internal/golden"
 	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
-
-var update = flag.Bool("update", false, "rewrite testdata/*.golden")
 
 func TestMain(m *testing.M) { os.Exit(testbed.RunMain(m)) }
 
@@ -133,22 +131,7 @@ func TestPrintGolden(t *testing.T) {
 	}
 	var buf bytes.Buffer
 	Print(&buf, rep)
-	golden := filepath.Join("testdata", "report.golden")
-	if *update {
-		if err := os.MkdirAll("testdata", 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(golden, buf.Bytes(), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	want, err := os.ReadFile(golden)
-	if err != nil {
-		t.Fatalf("%v (run with -update)", err)
-	}
-	if !bytes.Equal(buf.Bytes(), want) {
-		t.Errorf("report differs from %s (run with -update):\n%s", golden, buf.String())
-	}
+	golden.Open(t, "testdata").Check(t, "report.golden", buf.Bytes())
 }
 
 // TestDemo is `make demo` end to end on the real test bed: image built and imported,

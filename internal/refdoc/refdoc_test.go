@@ -1,21 +1,17 @@
 package refdoc
 
 import (
-	"bytes"
-	"flag"
-	"os"
 	"strings"
 	"testing"
 
 	"github.com/spf13/pflag"
 
+	"github.com/meshcni/meshcni/internal/golden"
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/taint"
 )
-
-var update = flag.Bool("update", false, "rewrite docs/reference.md")
 
 const (
 	referencePath = "../../docs/reference.md"
@@ -45,31 +41,7 @@ func TestReferenceUpToDate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if *update {
-		if err := os.WriteFile(referencePath, got, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		return
-	}
-	want, err := os.ReadFile(referencePath)
-	if err != nil {
-		t.Fatalf("%v (generate it: make reference)", err)
-	}
-	if !bytes.Equal(got, want) {
-		gl, wl := strings.Split(string(got), "\n"), strings.Split(string(want), "\n")
-		for i := range max(len(gl), len(wl)) {
-			var g, w string
-			if i < len(gl) {
-				g = gl[i]
-			}
-			if i < len(wl) {
-				w = wl[i]
-			}
-			if g != w {
-				t.Fatalf("docs/reference.md is stale (run make reference); first difference at line %d:\n  code: %s\n  file: %s", i+1, g, w)
-			}
-		}
-	}
+	golden.File(t, referencePath, got, "generate it: make reference")
 }
 
 // TestReferenceCoversEverything checks the generated text names every pod setting,

@@ -49,7 +49,7 @@ func RunMain(m *testing.M) int {
 // use: it attaches to one started by `hack/testbed up` if running, else starts one
 // (waiting for LockFile while another test binary holds it). It skips the test
 // outside CI, and fails it under CI=true, when not root or when the binaries are
-// not built (`hack/testbed build`).
+// not built (`hack/testbed build`); in short mode (-short) it always skips.
 //
 // Tests sharing it must restore what they change (CNI configuration, plugins in
 // CNIBinDir) and use their own namespaces or pod names.
@@ -131,9 +131,11 @@ func API(t testing.TB) *Testbed {
 }
 
 // requireBuilt skips the test outside CI, and fails it under CI=true, when not root
-// or when the test bed's binaries are not built.
+// or when the test bed's binaries are not built. It always skips in short mode
+// (unit tests only, `make unit`).
 func requireBuilt(t testing.TB) {
 	t.Helper()
+	testutil.Unit(t, "the test bed")
 	testutil.RequireRoot(t)
 	if _, err := Lookup(); err != nil {
 		if errors.Is(err, ErrNotBuilt) {

@@ -3,6 +3,10 @@
 //
 // The policy: a test that needs root, a binary or a built component may skip only
 // outside CI. When CI=true, a missing requirement fails the test instead.
+//
+// Short mode (go test -short, `make unit`) means "unit tests only": every test that
+// needs root, a program on PATH or a built component skips, also under CI=true.
+// `make e2e` runs them without -short.
 package testutil
 
 import (
@@ -22,27 +26,42 @@ import (
 // InCI reports whether the tests run under CI (CI=true).
 func InCI() bool { return os.Getenv("CI") == "true" }
 
-// Missing skips the test outside CI and fails it under CI, with the reason.
+// Unit skips the test in short mode (unit tests only), CI or not: it needs what a
+// unit test has not (root, a program, a built component, the test bed).
+func Unit(t testing.TB, needs string) {
+	t.Helper()
+	if testing.Short() {
+		t.Skipf("skipped in -short mode (unit tests only): test needs %s", needs)
+	}
+}
+
+// Missing skips the test outside CI and fails it under CI, with the reason. In
+// short mode it always skips.
 func Missing(t testing.TB, format string, args ...any) {
 	t.Helper()
 	msg := fmt.Sprintf(format, args...)
+	Unit(t, msg)
 	if InCI() {
 		t.Fatalf("required under CI=true: %s", msg)
 	}
 	t.Skipf("skipped outside CI: %s", msg)
 }
 
-// RequireRoot needs uid 0 (network namespaces, rules, setuid listeners).
+// RequireRoot needs uid 0 (network namespaces, rules, setuid listeners). It skips
+// in short mode even as root.
 func RequireRoot(t testing.TB) {
 	t.Helper()
+	Unit(t, "root")
 	if os.Geteuid() != 0 {
 		Missing(t, "test needs root")
 	}
 }
 
-// RequireBinary returns the path of a program on PATH, or skips/fails.
+// RequireBinary returns the path of a program on PATH, or skips/fails. It skips in
+// short mode even when the program is there.
 func RequireBinary(t testing.TB, name string) string {
 	t.Helper()
+	Unit(t, fmt.Sprintf("program %q", name))
 	p, err := exec.LookPath(name)
 	if err != nil {
 		Missing(t, "program %q not found on PATH", name)

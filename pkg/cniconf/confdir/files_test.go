@@ -4,17 +4,16 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
-	"flag"
 	"io/fs"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"testing"
 
+	"github.com/meshcni/meshcni/internal/golden"
 	"github.com/meshcni/meshcni/pkg/cniconf"
 )
-
-var update = flag.Bool("update", false, "rewrite the golden files in testdata")
 
 // TestEntry is the plugin entry every golden case is written with.
 var testEntry = cniconf.PluginEntry{
@@ -89,34 +88,19 @@ func readDir(t *testing.T, dir string) map[string]string {
 	return files
 }
 
-// compareGolden compares the files of dir with golden, or rewrites golden under -update.
-func compareGolden(t *testing.T, dir, golden string) {
+// compareGolden compares the files of dir with the golden directory both ways (a
+// file missing from either side fails), or rewrites it under -update.
+func compareGolden(t *testing.T, dir, goldenDir string) {
 	t.Helper()
 	got := readDir(t, dir)
-	if *update {
-		if err := os.RemoveAll(golden); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.MkdirAll(golden, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		copyDir(t, dir, golden)
-		return
-	}
-	want := readDir(t, golden)
-	for name, w := range want {
-		g, ok := got[name]
-		switch {
-		case !ok:
-			t.Errorf("%s: missing, want it as in %s", name, golden)
-		case g != w:
-			t.Errorf("%s differs from %s:\n--- got\n%s\n--- want\n%s", name, golden, g, w)
-		}
-	}
+	names := make([]string, 0, len(got))
 	for name := range got {
-		if _, ok := want[name]; !ok {
-			t.Errorf("%s: present, not in %s", name, golden)
-		}
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	d := golden.Open(t, goldenDir)
+	for _, name := range names {
+		d.CheckString(t, name, got[name])
 	}
 }
 

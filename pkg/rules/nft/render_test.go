@@ -1,86 +1,47 @@
 package nft_test
 
 import (
-	"flag"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"testing"
 
 	"github.com/meshcni/meshcni/internal/conformance"
+	"github.com/meshcni/meshcni/internal/golden"
 	"github.com/meshcni/meshcni/internal/nfttest"
+	"github.com/meshcni/meshcni/internal/specfixtures"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/rules/nft"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
-var update = flag.Bool("update", false, "rewrite golden files in testdata")
-
 func podDefaults() *spec.Spec { s := spec.PodDefaults(); return &s }
 
-// specs are the renderer's golden cases (besides the Istio conformance cases).
-func specs() map[string]*spec.Spec {
-	tproxy := podDefaults()
-	tproxy.Mode = spec.ModeTProxy
-	tproxy.EnableIPv6 = true
-	dns := podDefaults()
-	dns.RedirectDNS = true
-	dns.CaptureAllDNS = true
-	dns.EnableIPv6 = true
-	dns.OutboundPortsExclude = []uint16{9000}
-	servers := podDefaults()
-	servers.RedirectDNS = true
-	servers.DNSServersV4 = []netip.Addr{netip.MustParseAddr("10.96.0.10")}
-	servers.OwnerGroups.Include = []string{"java", "202"}
-	return map[string]*spec.Spec{
-		"pod-defaults":        podDefaults(),
-		"pod-tproxy-dual":     tproxy,
-		"pod-capture-all-dns": dns,
-		"pod-dns-servers":     servers,
-	}
-}
-
-func checkGolden(t *testing.T, name, got string) {
-	t.Helper()
-	path := filepath.Join("testdata", name+".nft")
-	if *update {
-		if err := os.MkdirAll("testdata", 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(path, []byte(got), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		return
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (run with -update)", err)
-	}
-	if string(want) != got {
-		t.Errorf("%s differs from %s:\n--- got\n%s\n--- want\n%s", name, path, got, want)
-	}
-}
-
+// TestRenderGolden renders the shared spec table (internal/specfixtures) into
+// testdata/specs/<name>.nft.
 func TestRenderGolden(t *testing.T) {
-	for name, s := range specs() {
-		t.Run(name, func(t *testing.T) {
-			if err := s.Validate(); err != nil {
+	dir := golden.Open(t, "testdata/specs")
+	for _, f := range specfixtures.All() {
+		t.Run(f.Name, func(t *testing.T) {
+			if err := f.Spec.Validate(); err != nil {
 				t.Fatal(err)
 			}
-			checkGolden(t, name, nft.Render(rules.Build(s)))
+			dir.CheckString(t, f.Name+".nft", nft.Render(rules.Build(f.Spec)))
 		})
 	}
 }
 
+// TestRenderConformanceCasesGolden renders Istio's conformance cases into
+// testdata/istio/<case>.nft (to read beside Istio's own golden files).
 func TestRenderConformanceCasesGolden(t *testing.T) {
-	for _, c := range conformance.Cases(t, "nftables") {
+	cases := conformance.Cases(t, "nftables")
+	dir := golden.Open(t, "testdata/istio")
+	for _, c := range cases {
 		t.Run(c.Name, func(t *testing.T) {
 			s, err := c.Spec()
 			if err != nil {
 				t.Fatal(err)
 			}
-			checkGolden(t, "istio-"+c.Name, nft.Render(rules.Build(s)))
+			dir.CheckString(t, c.Name+".nft", nft.Render(rules.Build(s)))
 		})
 	}
 }
