@@ -139,13 +139,13 @@ func (v *Values) Spec() (*spec.Spec, error) {
 	if s.InboundPorts, err = spec.ParsePortSet(fieldName("istio-inbound-ports"), v.InboundPorts); err != nil {
 		return nil, err
 	}
-	if s.InboundPortsExclude, err = spec.ParsePortList(fieldName("istio-local-exclude-ports"), v.InboundPortsExclude); err != nil {
+	if s.InboundPortsExclude, err = spec.ParseExcludePortList(fieldName("istio-local-exclude-ports"), v.InboundPortsExclude); err != nil {
 		return nil, err
 	}
 	if s.OutboundPorts, err = spec.ParsePortList(fieldName("istio-outbound-ports"), v.OutboundPorts); err != nil {
 		return nil, err
 	}
-	if s.OutboundPortsExclude, err = spec.ParsePortList(fieldName("istio-local-outbound-ports-exclude"), v.OutboundPortsExclude); err != nil {
+	if s.OutboundPortsExclude, err = spec.ParseExcludePortList(fieldName("istio-local-outbound-ports-exclude"), v.OutboundPortsExclude); err != nil {
 		return nil, err
 	}
 	if s.OutboundIPRanges, err = spec.ParsePrefixSet(fieldName("istio-service-cidr"), v.IPRanges); err != nil {

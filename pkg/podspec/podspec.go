@@ -264,7 +264,7 @@ func Build(pod *Pod) (Result, error) {
 	if s.InboundPorts, err = spec.ParsePortSet(AnnotationIncludeInboundPorts, get(AnnotationIncludeInboundPorts, defaultIncludeInboundPorts)); err != nil {
 		return Result{}, err
 	}
-	excl, err := spec.ParsePortList(AnnotationExcludeInboundPorts, get(AnnotationExcludeInboundPorts, defaultExcludeInboundPorts))
+	excl, err := spec.ParseExcludePortList(AnnotationExcludeInboundPorts, get(AnnotationExcludeInboundPorts, defaultExcludeInboundPorts))
 	if err != nil {
 		return Result{}, err
 	}
@@ -272,7 +272,7 @@ func Build(pod *Pod) (Result, error) {
 	if s.OutboundPorts, err = spec.ParsePortList(AnnotationIncludeOutboundPorts, get(AnnotationIncludeOutboundPorts, defaultIncludeOutboundPorts)); err != nil {
 		return Result{}, err
 	}
-	if s.OutboundPortsExclude, err = spec.ParsePortList(AnnotationExcludeOutboundPorts, get(AnnotationExcludeOutboundPorts, defaultExcludeOutboundPorts)); err != nil {
+	if s.OutboundPortsExclude, err = spec.ParseExcludePortList(AnnotationExcludeOutboundPorts, get(AnnotationExcludeOutboundPorts, defaultExcludeOutboundPorts)); err != nil {
 		return Result{}, err
 	}
 	if s.OutboundIPRanges, err = spec.ParsePrefixSet(AnnotationIncludeOutboundIPRanges, get(AnnotationIncludeOutboundIPRanges, defaultIncludeIPRanges)); err != nil {

@@ -322,3 +322,18 @@ func TestParseLabel(t *testing.T) {
 		}
 	}
 }
+
+// TestSpecExcludePortZero: excludeOutboundPorts/excludeInboundPorts "0" is a no-op,
+// as in Istio, not a failed ADD.
+func TestSpecExcludePortZero(t *testing.T) {
+	s, err := Spec(meshedPod(ann(AnnotationExcludeOutboundPorts, "0"), ann(AnnotationExcludeInboundPorts, "0")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(s.OutboundPortsExclude) != 0 {
+		t.Errorf("OutboundPortsExclude %v, want none", s.OutboundPortsExclude)
+	}
+	if want := []uint16{15020, 15021, 15090}; !reflect.DeepEqual(s.InboundPortsExclude, want) {
+		t.Errorf("InboundPortsExclude %v, want only the always-excluded %v", s.InboundPortsExclude, want)
+	}
+}

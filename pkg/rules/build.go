@@ -193,7 +193,9 @@ func Build(s *spec.Spec) *Ruleset {
 
 	if tproxy {
 		b.tproxyMarks()
-		rs.Route = &PolicyRoute{Mark: s.TProxyMark, Table: s.TProxyRouteTable}
+		if !s.InboundPorts.Empty() { // nothing inbound captured: no routing, as Istio
+			rs.Route = &PolicyRoute{Mark: s.TProxyMark, Table: s.TProxyRouteTable}
+		}
 	}
 	return rs
 }

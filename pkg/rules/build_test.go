@@ -153,6 +153,21 @@ func TestBuildRedirect(t *testing.T) {
 	})
 }
 
+// TestBuildTProxyNoInbound: TPROXY with no inbound port captured needs no policy
+// routing, and Istio adds none (its marks stay: they are part of its golden rules).
+func TestBuildTProxyNoInbound(t *testing.T) {
+	rs := Build(podSpec(func(s *spec.Spec) {
+		s.Mode = spec.ModeTProxy
+		s.InboundPorts = spec.PortSet{}
+	}))
+	if rs.Route != nil {
+		t.Errorf("Route = %+v, want none: nothing inbound is captured", rs.Route)
+	}
+	if got := tableNames(rs, V4); !reflect.DeepEqual(got, []string{"nat", "mangle"}) {
+		t.Errorf("IPv4 tables %q, want nat and mangle (the TPROXY marks)", got)
+	}
+}
+
 func TestBuildTProxy(t *testing.T) {
 	rs := Build(podSpec(func(s *spec.Spec) { s.Mode = spec.ModeTProxy }))
 	if rs.Route == nil || *rs.Route != (PolicyRoute{Mark: 1337, Table: 133}) {

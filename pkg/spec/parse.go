@@ -1,6 +1,7 @@
 package spec
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"strconv"
@@ -34,6 +35,23 @@ func ParsePort(field, s string) (uint16, error) {
 		return 0, &FieldError{Field: field, Value: s, Reason: "a port must be a whole number from 1 to 65535"}
 	}
 	return uint16(n), nil
+}
+
+// ParseExcludePortList parses a list of ports to exclude: as ParsePortList, but port
+// 0 is accepted and dropped — Istio writes it as a rule that matches nothing.
+func ParseExcludePortList(field, s string) ([]uint16, error) {
+	var kept []string
+	for _, it := range splitList(s) {
+		if it != "0" {
+			kept = append(kept, it)
+		}
+	}
+	out, err := ParsePortList(field, strings.Join(kept, ","))
+	var fe *FieldError
+	if errors.As(err, &fe) {
+		fe.Value = s // report what was written, not the filtered list
+	}
+	return out, err
 }
 
 // ParsePortList parses "80,443" (no wildcard). Duplicates are dropped, order kept.
