@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
 )
@@ -35,15 +37,7 @@ func (s *SocketServer) Run(ctx context.Context) error {
 			if err := level.UnmarshalText([]byte(r.Level)); err != nil {
 				level = slog.LevelInfo
 			}
-			attrs := make([]slog.Attr, 0, len(r.Attrs)+3)
-			attrs = append(attrs,
-				slog.String("pod_namespace", r.Pod.Namespace),
-				slog.String("pod_name", r.Pod.Name),
-				slog.Time("plugin_time", r.Time))
-			for k, v := range r.Attrs {
-				attrs = append(attrs, slog.Any(k, v))
-			}
-			plog.LogAttrs(ctx, level, r.Msg, attrs...)
+			plog.LogAttrs(ctx, level, r.Msg, pluginLogAttrs(r)...)
 		},
 		OnCommand: func(r *agentsock.CommandResult) {
 			s.Metrics.ObserveCommand(r)
@@ -74,4 +68,53 @@ func (s *SocketServer) Run(ctx context.Context) error {
 	}
 	s.Log.Info("plugin socket listening", "path", s.Path)
 	return srv.Serve(ctx)
+}
+
+// MaxPluginAttrs bounds the attributes of one plugin log record the agent logs.
+const MaxPluginAttrs = 32
+
+// agentKeys are the keys the agent's own log line carries; a plugin attribute may not
+// take one of them.
+var agentKeys = map[string]bool{
+	slog.TimeKey: true, slog.LevelKey: true, slog.MessageKey: true,
+	"source": true, "pod_namespace": true, "pod_name": true, "plugin_time": true, "attrs_dropped": true,
+}
+
+// pluginLogAttrs turns a plugin's log record into the attributes of the agent's log
+// line. What a client sends cannot forge the agent's fields: a key the agent uses
+// (msg, level, time, source, pod_*) is prefixed with "plugin_", a key is at most 64
+// characters of [A-Za-z0-9_.-] (others become "_"), and past MaxPluginAttrs (in key
+// order) attributes are counted in attrs_dropped, not logged.
+func pluginLogAttrs(r *agentsock.LogRecord) []slog.Attr {
+	attrs := make([]slog.Attr, 0, min(len(r.Attrs), MaxPluginAttrs)+4)
+	attrs = append(attrs,
+		slog.String("pod_namespace", r.Pod.Namespace),
+		slog.String("pod_name", r.Pod.Name),
+		slog.Time("plugin_time", r.Time))
+	keys := slices.Sorted(maps.Keys(r.Attrs))
+	for i, k := range keys {
+		if i == MaxPluginAttrs {
+			attrs = append(attrs, slog.Int("attrs_dropped", len(keys)-MaxPluginAttrs))
+			break
+		}
+		attrs = append(attrs, slog.Any(pluginKey(k), r.Attrs[k]))
+	}
+	return attrs
+}
+
+func pluginKey(k string) string {
+	if len(k) > 64 {
+		k = k[:64]
+	}
+	b := []byte(k)
+	for i, c := range b {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '.' || c == '-') {
+			b[i] = '_'
+		}
+	}
+	k = string(b)
+	if k == "" || agentKeys[k] {
+		return "plugin_" + k
+	}
+	return k
 }

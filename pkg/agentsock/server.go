@@ -13,12 +13,16 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
 
 // MaxLine is the longest line the server reads; a longer one closes the connection.
-const MaxLine = 256 << 10
+// The plugin's lines are a log record, a command result, a pod request or a release:
+// a few hundred bytes. With DefaultMaxConns connections this bounds the read buffers
+// at 16 MiB.
+const MaxLine = 32 << 10
 
 // Server is the agent's side of the socket.
 type Server struct {
@@ -40,15 +44,20 @@ type Server struct {
 	// IdleTimeout closes a connection that sends nothing for this long (0:
 	// DefaultIdleTimeout); a response not written within ResponseTimeout closes it too.
 	IdleTimeout time.Duration
+	// MaxHeld bounds the released descriptors held across all connections (0:
+	// DefaultMaxHeld); past it, a released descriptor is closed at once.
+	MaxHeld int
 
 	lingerOnce sync.Once
 	lingering  *lingerer
+	held       atomic.Int64
 }
 
 // Defaults of Server.MaxConns and Server.IdleTimeout, and the bound on writing one
 // response. A plugin holds its connection for one CNI command: at most api_timeout
 // (≤ 5 min) plus the rules' work.
 const (
+	DefaultMaxHeld     = 1024
 	DefaultMaxConns    = 512
 	DefaultIdleTimeout = 10 * time.Minute
 	ResponseTimeout    = 5 * time.Second
@@ -326,11 +335,13 @@ const MaxHeldFDs = 64
 // the plugin closes its own copies before it closes the connection, so the agent's
 // close is the last one, and any wait the kernel attaches to it happens here.
 type fdHolder struct {
-	c    *net.UnixConn
-	oob  []byte
-	held []int
-	log  *slog.Logger
-	idle time.Duration
+	c     *net.UnixConn
+	oob   []byte
+	held  []int
+	log   *slog.Logger
+	idle  time.Duration
+	total *atomic.Int64 // held by every connection of the server
+	max   int64         // bound of total
 }
 
 func (r *fdHolder) Read(p []byte) (int, error) {
@@ -347,11 +358,13 @@ func (r *fdHolder) Read(p []byte) (int, error) {
 				continue
 			}
 			for _, fd := range fds {
-				if len(r.held) < MaxHeldFDs {
+				if len(r.held) < MaxHeldFDs && r.total.Add(1) <= r.max {
 					r.held = append(r.held, fd)
-				} else {
-					syscall.Close(fd)
+					continue
+				} else if len(r.held) < MaxHeldFDs {
+					r.total.Add(-1)
 				}
+				syscall.Close(fd)
 			}
 		}
 	}
@@ -366,6 +379,7 @@ func (r *fdHolder) Read(p []byte) (int, error) {
 func (r *fdHolder) take() []int {
 	fds := r.held
 	r.held = nil
+	r.total.Add(-int64(len(fds)))
 	return fds
 }
 
@@ -376,7 +390,11 @@ func (s *Server) serveConn(ctx context.Context, conn net.Conn, log *slog.Logger)
 		idle = DefaultIdleTimeout
 	}
 	if uc, ok := conn.(*net.UnixConn); ok {
-		h := &fdHolder{c: uc, oob: make([]byte, syscall.CmsgSpace(MaxHeldFDs*4)), log: log, idle: idle}
+		maxHeld := int64(s.MaxHeld)
+		if maxHeld <= 0 {
+			maxHeld = DefaultMaxHeld
+		}
+		h := &fdHolder{c: uc, oob: make([]byte, syscall.CmsgSpace(MaxHeldFDs*4)), log: log, idle: idle, total: &s.held, max: maxHeld}
 		defer func() { s.linger().add(h.take(), s.lingerFor()) }()
 		rd = h
 	}

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/meshcni/meshcni/internal/testutil"
 )
 
@@ -177,4 +179,66 @@ func TestListenSecuresDirectory(t *testing.T) {
 		t.Fatalf("Dial after Listen: %v", err)
 	}
 	c.Close()
+}
+
+// TestReleaseBoundTotal: across connections the agent holds at most MaxHeld released
+// descriptors (512 connections × 64 each ran the agent out of descriptors); the rest
+// are closed as they arrive, and a connection's end gives its share back.
+func TestReleaseBoundTotal(t *testing.T) {
+	dir, got, _, _ := startServerWith(t, nil, -1, func(s *Server) { s.MaxHeld = 10 })
+	var clients []*Client
+	var reads [][]int
+	for range 2 {
+		c, err := Dial(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		rs, ws := pipes(t, 8)
+		if err := c.Release(ws...); err != nil {
+			t.Fatal(err)
+		}
+		for _, fd := range ws {
+			unix.Close(fd)
+		}
+		if err := c.ReportCommand(CommandAdd, ResultSuccess, time.Millisecond, Pod{Namespace: "ns", Name: "p"}, nil); err != nil {
+			t.Fatal(err)
+		}
+		recv(t, got.cmds) // its release was read
+		clients, reads = append(clients, c), append(reads, rs)
+	}
+	held := 0
+	for _, rs := range reads {
+		for _, hup := range hungUp(t, rs, 0) {
+			if !hup {
+				held++
+			}
+		}
+	}
+	if held != 10 {
+		t.Fatalf("%d descriptors held across two connections, want the bound 10", held)
+	}
+	// The first connection ends: its 8 are closed, and 8 more can be held.
+	clients[0].Close()
+	for i, hup := range hungUp(t, reads[0], 5*time.Second) {
+		if !hup {
+			t.Fatalf("pipe %d of the ended connection still held", i)
+		}
+	}
+	rs, ws := pipes(t, 8)
+	if err := clients[1].Release(ws...); err != nil {
+		t.Fatal(err)
+	}
+	for _, fd := range ws {
+		unix.Close(fd)
+	}
+	if err := clients[1].ReportCommand(CommandAdd, ResultSuccess, time.Millisecond, Pod{Namespace: "ns", Name: "p"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	recv(t, got.cmds)
+	for i, hup := range hungUp(t, rs, 0) {
+		if hup {
+			t.Fatalf("pipe %d closed at once, want it held (the bound has room again)", i)
+		}
+	}
 }
