@@ -91,7 +91,7 @@ func generatePKI() (*pki, error) {
 		{file: "kubelet", cn: "system:node:" + NodeName, orgs: []string{"system:nodes"}, client: true},
 		{file: "kubelet-serving", cn: NodeName, server: true, ips: []string{NodeIP, "127.0.0.1"}, dns: []string{NodeName, "localhost"}},
 		// system:masters + no per-controller ServiceAccount credentials: minting a
-		// token per controller costs ~4 s of start-up.
+		// token per controller would lengthen every start by seconds.
 		{file: "controller-manager", cn: "system:kube-controller-manager", orgs: []string{"system:masters"}, client: true},
 		{file: "scheduler", cn: "system:kube-scheduler", client: true},
 	}

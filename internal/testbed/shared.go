@@ -98,7 +98,7 @@ func Shared(t testing.TB) *Testbed {
 
 // API returns a test bed with at least an API server for a test that needs no
 // node: this test binary's shared test bed when one is up (a full node is a
-// superset), else an API-only one (etcd + kube-apiserver, ≈ 4 s) stopped when the
+// superset), else an API-only one (etcd + kube-apiserver) stopped when the
 // test ends. Use it rather than Start in tests, so a package mixing Shared and
 // API-only tests never waits on its own lock. Skips/fails like Shared.
 func API(t testing.TB) *Testbed {

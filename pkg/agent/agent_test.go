@@ -491,7 +491,7 @@ func TestConflictBacksOff(t *testing.T) {
 				time.Sleep(time.Millisecond)
 			}
 			reinj := counterValue(t, r.a.Metrics.Reinjections)
-			// Without a backoff this is one re-injection per ~3 ms (1000 in 3 s).
+			// Without a backoff the agent re-injects after every rewrite of the fight.
 			if reinj > 100 {
 				t.Errorf("%v re-injections in 3 s of fighting: no backoff", reinj)
 			}

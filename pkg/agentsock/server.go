@@ -64,7 +64,7 @@ const (
 )
 
 // DefaultLinger is Server.Linger's default: far longer than an RCU grace period
-// (5–15 ms on a 2-vCPU machine, more under load), short enough to hold few sockets.
+// (milliseconds; docs/performance.md), short enough to hold few sockets.
 const DefaultLinger = time.Second
 
 // MaxLingering bounds the descriptors kept after their connections ended; past it,
@@ -77,9 +77,8 @@ const MaxLingering = 4096
 // waits for that grace period holding the nftables commit lock of the socket's
 // network namespace, the pod's. Closed as soon as the plugin's ADD ends, the
 // sockets of that ADD would make a DEL in the same pod right after it (a sandbox torn
-// down at once, or a benchmark) wait out the rest of the ADD's grace period: measured
-// 2 ms at p50 in the CNI chain, 10 ms in a tight loop. A second later the grace
-// period is over and the close costs nothing.
+// down at once, or a benchmark) wait out the rest of the ADD's grace period in its
+// delete batch. A second later the grace period is over and the close costs nothing.
 type lingerer struct {
 	mu     sync.Mutex
 	n      int

@@ -7,7 +7,7 @@ import "golang.org/x/sys/unix"
 //
 // Why: when an nfnetlink socket is released while the kernel still has deleted
 // nftables objects waiting to be freed (by anyone: the list is global), the release
-// waits for that work, i.e. for an RCU grace period (5–15 ms on the 2-vCPU machine).
+// waits for that work, i.e. for an RCU grace period (milliseconds; docs/performance.md).
 // A deleted table, or a table replaced by Apply, puts objects on that list. With
 // Options.HandOff set, the engine hands its duplicates to a long-lived process (the
 // node agent) that closes them, and returns at once; the rules are gone (the batch was

@@ -302,8 +302,8 @@ func (c *PodClient) getOnce(ctx context.Context, namespace, name string) (*podsp
 		return nil, fmt.Errorf("build request: %w", err)
 	}
 	// JSON into podspec.Pod, which holds only the fields meshcni reads: no k8s.io
-	// package is linked (their init alone costs the plugin ~2 ms per exec), and the
-	// decoder skips the rest of the pod.
+	// package is linked (their package init would be paid by every exec of the
+	// plugin), and the decoder skips the rest of the pod.
 	req.Header.Set("Accept", "application/json")
 	req.Header.Set("User-Agent", "meshcni-podget")
 	token := c.cfg.Token

@@ -9,12 +9,12 @@ import (
 )
 
 // TestPluginLinksNoKubernetes keeps the plugin binary free of Kubernetes' Go
-// packages: k8s.io/api and apimachinery alone cost the plugin ~2 ms of start-up per
-// exec (package init, a binary half again as large), and it runs once per pod sandbox
-// for ADD and for DEL. The plugin decodes pods into podspec.Pod; converting corev1
+// packages: k8s.io/api and apimachinery would add their package init and size to
+// every exec, and the plugin runs once per pod sandbox for ADD and for DEL. The plugin decodes pods into podspec.Pod; converting corev1
 // pods (podspec/corepod) is for the agent and meshcnictl only. Nor does it link an
-// HTTPS client (crypto/tls, x509, net/http, YAML): ≈ 0.5 ms per exec and 3.8 MB; the
-// API fallback runs in the helper meshcni-podget (pkg/podget, pkg/kubeapi).
+// HTTPS client (crypto/tls, x509, net/http, YAML), for the same reason; the API
+// fallback runs in the helper meshcni-podget (pkg/podget, pkg/kubeapi). The plugin's
+// size and start-up, with the commands that measure them: docs/performance.md.
 func TestPluginLinksNoKubernetes(t *testing.T) {
 	gobin := testutil.RequireBinary(t, "go")
 	root, err := testutil.RepoRoot()

@@ -346,7 +346,7 @@ func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*podspec.Pod, e
 }
 
 // AgentLookupTimeout bounds the pod lookup through the agent's socket; past it the
-// plugin asks the API server. The agent answers from memory in well under 1 ms.
+// plugin asks the API server. The agent answers from memory, far inside this bound.
 const AgentLookupTimeout = 50 * time.Millisecond
 
 // podFromAgent asks the agent's cache of the node's pods for the pod. It returns nil

@@ -4,11 +4,11 @@
 // Result from its standard output.
 //
 // Why a second binary: the plugin runs once per pod sandbox for ADD and for DEL, and
-// with an agent on the node it never needs the API server. Linking an HTTPS client
-// (crypto/tls, crypto/x509, net/http, a YAML parser for the kubeconfig) into it made
-// every exec ≈ 0.5 ms slower and its binary 8.5 instead of 4.7 MB (docs/plugin.md).
+// with an agent on the node it never needs the API server. An HTTPS client
+// (crypto/tls, crypto/x509, net/http, a YAML parser for the kubeconfig) linked into it
+// would make every exec slower and its binary larger (docs/performance.md).
 // The helper pays that start-up only on an agent miss, which also needs a TLS
-// connection to the API server (several milliseconds) anyway.
+// connection to the API server anyway.
 //
 // This package links no network client; pkg/kubeapi implements the helper's side.
 package podget

@@ -36,7 +36,7 @@ import (
 	itestutil "github.com/meshcni/meshcni/internal/testutil"
 )
 
-// The test bed is started once for the package (API-only, ≈ 4 s) and stopped by TestMain.
+// The test bed is started once for the package (API-only) and stopped by TestMain.
 var bed struct {
 	once sync.Once
 	tb   *testbed.Testbed

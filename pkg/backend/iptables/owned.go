@@ -22,7 +22,7 @@ func ownedChain(name string) bool {
 
 // ownedBuiltinShapes is compiled on first use, not at package init: the CNI plugin
 // links this package and starts once per pod, and most of its runs never need it
-// (compiling at init cost ~0.2 ms of every start). A sync.Once rather than a
+// (compiling at init would be paid by every start). A sync.Once rather than a
 // package-level sync.OnceValue, whose closure is allocated at init.
 func ownedBuiltinShapes() []*regexp.Regexp {
 	ownedShapesOnce.Do(compileOwnedShapes)
