@@ -89,17 +89,19 @@ func (b *Backend) groupFile() string {
 // socket would cost a thread hand-off). onSocket (nil: none) is called with its
 // socket. close must be called when done.
 func Dial(netnsPath string, onSocket func(fd int)) (c *gnft.Conn, close func(), err error) {
-	opts := []gnft.ConnOption{gnft.AsLasting()}
-	if onSocket != nil {
-		opts = append(opts, gnft.WithSockOptions(func(c *netlink.Conn) error {
-			rc, err := c.SyscallConn()
-			if err != nil {
-				return nil // best effort: the socket then closes as usual
+	opts := []gnft.ConnOption{gnft.AsLasting(), gnft.WithSockOptions(func(c *netlink.Conn) error {
+		rc, err := c.SyscallConn()
+		if err != nil {
+			return nil // best effort: default buffers, and the socket closes as usual
+		}
+		_ = rc.Control(func(fd uintptr) {
+			sizeBuffers(int(fd))
+			if onSocket != nil {
+				onSocket(int(fd))
 			}
-			_ = rc.Control(func(fd uintptr) { onSocket(int(fd)) })
-			return nil
-		}))
-	}
+		})
+		return nil
+	})}
 	fd := -1
 	if netnsPath != "" {
 		if fd, err = netnsutil.Open(netnsPath); err != nil {
@@ -195,10 +197,26 @@ func (b *Backend) Apply(ctx context.Context, netnsPath string, rs *rules.Ruleset
 		if errors.Is(err, unix.EEXIST) && attempt < 2 {
 			continue
 		}
-		return fmt.Errorf("nftables apply in netns %q (%d tables, %d rules; nothing was changed): %w", netnsPath, len(tables), nrules, err)
+		return b.afterFailedSend(ctx, netnsPath, rs, len(tables), nrules, err)
 	}
 	b.log().Debug("nftables ruleset applied", "netns", netnsPath, "tables", len(tables), "rules", nrules, "duration", time.Since(start))
 	return nil
+}
+
+// afterFailedSend reads the namespace back after a failed batch and says what it
+// holds: the batch is one transaction, so the namespace holds either the whole new
+// ruleset (the error came after the commit, e.g. while reading acknowledgements:
+// the apply succeeded) or what it held before ("nothing was changed" is then true).
+func (b *Backend) afterFailedSend(ctx context.Context, netnsPath string, rs *rules.Ruleset, ntables, nrules int, sendErr error) error {
+	d, err := b.Check(ctx, netnsPath, rs)
+	switch {
+	case err != nil:
+		return fmt.Errorf("nftables apply in netns %q (%d tables, %d rules): %w; reading the namespace back failed too, its state is unknown: %v", netnsPath, ntables, nrules, sendErr, err)
+	case d.Empty():
+		b.log().Warn("nftables apply: the batch committed, its answer failed; the namespace holds the ruleset (read back)", "netns", netnsPath, "err", sendErr)
+		return nil
+	}
+	return fmt.Errorf("nftables apply in netns %q (%d tables, %d rules; nothing was changed, read back): %w", netnsPath, ntables, nrules, sendErr)
 }
 
 // send lists meshcni's present tables and sends the whole replacement in one batch.
@@ -268,3 +286,29 @@ func ourTables(c *gnft.Conn) ([]*gnft.Table, error) {
 	}
 	return out, nil
 }
+
+// SocketBuffer is the send and receive buffer of the backend's netlink sockets. The
+// largest ruleset the spec's limits allow (spec.MaxListItems prefixes and ports in
+// each list) is a batch of several hundred KiB, and the kernel acknowledges each of
+// its messages: with the default buffers (about 208 KiB) the send fails with
+// EMSGSIZE and the acknowledgements overflow the receive buffer (ENOBUFS) after the
+// batch committed. As `nft` does, the buffers are sized for the batch; the kernel
+// allocates them only as they fill.
+const SocketBuffer = 8 << 20
+
+// sizeBuffers sets SocketBuffer on the socket, past the system maximum where
+// allowed (CAP_NET_ADMIN, which the plugin has), else up to it.
+func sizeBuffers(fd int) {
+	for _, opt := range []struct{ force, plain, size int }{
+		{unix.SO_SNDBUFFORCE, unix.SO_SNDBUF, SocketBuffer},
+		{unix.SO_RCVBUFFORCE, unix.SO_RCVBUF, receiveBuffer},
+	} {
+		if unix.SetsockoptInt(fd, unix.SOL_SOCKET, opt.force, opt.size) != nil {
+			_ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, opt.plain, opt.size)
+		}
+	}
+}
+
+// receiveBuffer is SocketBuffer; a test shrinks it to make the acknowledgements of
+// a committed batch overflow.
+var receiveBuffer = SocketBuffer
