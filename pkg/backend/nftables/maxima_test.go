@@ -15,9 +15,9 @@ import (
 
 // TestApplyDocumentedMaxima: the largest specs the parsers accept (spec.MaxListItems
 // ports or prefixes in a list) apply through the netlink backend, without error, and
-// leave what `nft -f` of the rendered script leaves. (At about 150 inbound ports the
-// kernel's acknowledgements used to overflow the socket's receive buffer: ENOBUFS
-// after the batch had committed.)
+// leave what `nft -f` of the rendered script leaves. (With a netlink socket's default
+// buffers such a batch fails: EMSGSIZE on send, or ENOBUFS on the acknowledgements of
+// a batch that committed; see SocketBuffer.)
 func TestApplyDocumentedMaxima(t *testing.T) {
 	nfttest.Require(t)
 	ports := func(from int) []uint16 {
