@@ -182,13 +182,16 @@ func TestRealAPIDecisionMatrix(t *testing.T) {
 		{"disable-envoy", e2eNamespace, []podOpt{withProxyEnv(podspec.EnvDisableEnvoy, "true")}, nil},
 		{"gateway", e2eNamespace, []podOpt{withProxyArgs("proxy", "router")}, nil},
 		{"agent", e2eNamespace, []podOpt{withLabel("app.kubernetes.io/name", "meshcni")}, nil},
+		// The agent's label outside the agent's namespace is no opt-out.
+		{"agent-label-elsewhere", "default", []podOpt{withLabel("app.kubernetes.io/name", "meshcni")}, &sidecar},
 		{"excluded-ns", "kube-system", nil, nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			pod := createPod(t, injectedPod(tt.ns, tt.name, tt.opts...))
 			netns := testutil.NewNetns(t)
-			ch := newChain(t, []string{"10.250.0.2/24"}, meshcniEntry(runDir, kc, nil))
+			// As the agent writes it: its own namespace (here, the test's) exempts its pods.
+			ch := newChain(t, []string{"10.250.0.2/24"}, meshcniEntry(runDir, kc, map[string]any{"agent_pod_namespace": e2eNamespace}))
 			rt := runtimeConf(netns, pod)
 			res, err := ch.cfg.AddNetworkList(context.Background(), ch.list, rt)
 			if err != nil {
