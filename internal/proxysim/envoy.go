@@ -202,6 +202,7 @@ func (e *Envoy) Run(ctx context.Context) error {
 // as Envoy does for the transport sockets istiod's configuration names.
 func (e *Envoy) runSDS(ctx context.Context) {
 	path := Abs(e.cfg.Dir, e.Bootstrap.SDSPath)
+	e.log.Info("SDS stream opening", "sds", path)
 	for ctx.Err() == nil {
 		err := RunSDS(ctx, path, e.Bootstrap.Node, []string{"default", "ROOTCA"}, e.onSecret)
 		if ctx.Err() != nil {
@@ -236,6 +237,7 @@ func (e *Envoy) onSecret(u ADSUpdate) {
 // failure as Envoy does.
 func (e *Envoy) runADS(ctx context.Context) {
 	path := Abs(e.cfg.Dir, e.Bootstrap.XDSPath)
+	e.log.Info("ADS stream opening", "xds", path)
 	for ctx.Err() == nil {
 		err := RunADS(ctx, path, e.Bootstrap.Node, e.onUpdate)
 		if ctx.Err() != nil {

@@ -165,10 +165,15 @@ func ParseBootstrap(b []byte) (Bootstrap, error) {
 }
 
 // Abs resolves a bootstrap path (pipes are written relative to Envoy's working
-// directory, /) against dir.
+// directory, /) against dir, or the working directory when dir is empty.
 func Abs(dir, path string) string {
 	if filepath.IsAbs(path) {
 		return path
+	}
+	if dir == "" {
+		if abs, err := filepath.Abs(path); err == nil {
+			return abs
+		}
 	}
 	return filepath.Join(dir, path)
 }

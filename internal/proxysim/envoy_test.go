@@ -57,6 +57,26 @@ func TestParseEnvoyArgs(t *testing.T) {
 	}
 }
 
+// TestParseRealBootstrap reads the envoy-rev.json pilot-agent (the pinned Istio)
+// rendered in a pod injected by istiod on the test bed.
+func TestParseRealBootstrap(t *testing.T) {
+	b, err := os.ReadFile("testdata/envoy-rev.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	bs, err := proxysim.ParseBootstrap(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bs.Admin.String() != "127.0.0.1:15000" || bs.XDSPath != "./etc/istio/proxy/XDS" || bs.SDSPath != "./var/run/secrets/workload-spiffe-uds/socket" ||
+		bs.Health.String() != "0.0.0.0:15021" || bs.Agent.String() != "127.0.0.1:15020" {
+		t.Errorf("parsed %+v", bs)
+	}
+	if !strings.HasPrefix(bs.Node.ID, "sidecar~10.213.0.3~server-") || bs.Node.Metadata["NAMESPACE"] != "istio-e2e" {
+		t.Errorf("node %s, metadata NAMESPACE %v", bs.Node.ID, bs.Node.Metadata["NAMESPACE"])
+	}
+}
+
 func TestParseBootstrap(t *testing.T) {
 	b, err := os.ReadFile("testdata/envoy-rev-min.json")
 	if err != nil {
@@ -76,6 +96,14 @@ func TestParseBootstrap(t *testing.T) {
 	}
 	if bs.Node.ID != "sidecar~10.213.0.9~client-7d9f.istio-e2e~istio-e2e.svc.cluster.local" || bs.Node.Metadata["NAMESPACE"] != "istio-e2e" {
 		t.Errorf("node %+v", bs.Node)
+	}
+	// gRPC reads "unix://./etc/…" as an authority: the sockets are resolved to
+	// absolute paths against Envoy's working directory.
+	if got := proxysim.Abs("/", bs.XDSPath); got != "/etc/istio/proxy/XDS" {
+		t.Errorf("Abs(/, %s) = %s", bs.XDSPath, got)
+	}
+	if got := proxysim.Abs("", bs.XDSPath); !filepath.IsAbs(got) {
+		t.Errorf("Abs(\"\", %s) = %s, not absolute", bs.XDSPath, got)
 	}
 	for _, cut := range []string{`"id": "sidecar~10.213.0.9~client-7d9f.istio-e2e~istio-e2e.svc.cluster.local"`, `"prefix": "/healthz/ready"`, `"name": "xds-grpc"`} {
 		broken := strings.Replace(string(b), cut, `"x": 1`, 1)

@@ -6,6 +6,7 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -289,7 +290,12 @@ type xdsStream struct {
 	stream grpc.ClientStream
 }
 
+// openStream opens a stream on the unix socket at path (absolute: a gRPC target
+// "unix://" + a relative path would read its first element as an authority).
 func openStream(ctx context.Context, path, method string) (*xdsStream, error) {
+	if !filepath.IsAbs(path) {
+		return nil, fmt.Errorf("xDS socket %q is not an absolute path", path)
+	}
 	conn, err := grpc.NewClient("unix://"+path,
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithDefaultCallOptions(grpc.ForceCodec(rawCodec{})))
