@@ -169,7 +169,8 @@ func checkInjected(t *testing.T, p *corev1.Pod) {
 	if err := json.Unmarshal([]byte(raw), &status); err != nil {
 		t.Fatalf("%s: sidecar.istio.io/status %q: %v", p.Name, raw, err)
 	}
-	if !slices.Contains(status.InitContainers, "istio-validation") || !slices.Contains(status.Containers, "istio-proxy") {
+	// istio-proxy is a native sidecar (an init container) on this Kubernetes.
+	if !slices.Contains(status.InitContainers, "istio-validation") || !slices.Contains(append(status.InitContainers, status.Containers...), "istio-proxy") {
 		t.Errorf("%s: sidecar.istio.io/status %s: want istio-validation and istio-proxy", p.Name, raw)
 	}
 	if slices.Contains(status.InitContainers, "istio-init") {
@@ -229,26 +230,58 @@ func proxyRecords(logs string) []proxysim.Record {
 	return out
 }
 
-// checkProxyLog asserts that pilot-agent started the stand-in as Envoy and that it
-// accepted clusters and listeners from istiod over ADS before going LIVE.
+// logLine is one JSON log line of the stand-in (slog: msg plus attributes).
+type logLine map[string]any
+
+// standInLog returns the stand-in's JSON log lines with the given msg.
+func standInLog(logs, msg string) []logLine {
+	var out []logLine
+	for _, line := range strings.Split(logs, "\n") {
+		var l logLine
+		if !strings.HasPrefix(line, `{"time":`) || json.Unmarshal([]byte(line), &l) != nil {
+			continue
+		}
+		if l["msg"] == msg {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// checkProxyLog asserts that pilot-agent started the stand-in as Envoy, that it
+// accepted clusters and listeners from istiod over ADS, went LIVE as UID 1337, and
+// received the workload certificate istiod signed for the pod's service account.
 func checkProxyLog(ctx context.Context, t *testing.T, tb *testbed.Testbed, p *corev1.Pod) {
 	t.Helper()
 	logs, err := tb.PodLogs(ctx, namespace, p.Name, "istio-proxy")
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{
-		`"msg":"envoy stand-in started"`,
-		`"msg":"xds update accepted","type":"` + proxysim.TypeCluster + `"`,
-		`"msg":"xds update accepted","type":"` + proxysim.TypeListener + `"`,
-		`"msg":"envoy stand-in LIVE","uid":1337`,
+	has := func(msg, key string, want any) bool {
+		for _, l := range standInLog(logs, msg) {
+			if key == "" || fmt.Sprint(l[key]) == fmt.Sprint(want) {
+				return true
+			}
+		}
+		return false
+	}
+	spiffe := "spiffe://cluster.local/ns/" + namespace + "/sa/default"
+	for _, c := range []struct {
+		msg, key string
+		want     any
+	}{
+		{"envoy stand-in started", "", nil},
+		{"xds update accepted", "type", proxysim.TypeCluster},
+		{"xds update accepted", "type", proxysim.TypeListener},
+		{"envoy stand-in LIVE", "uid", istio.ProxyUID},
+		{"sds secret accepted", "uris", []any{spiffe}},
 	} {
-		if !strings.Contains(logs, want) {
-			t.Errorf("%s: istio-proxy log lacks %s:\n%s", p.Name, want, logs)
+		if !has(c.msg, c.key, c.want) {
+			t.Errorf("%s: istio-proxy log has no %q with %s=%v:\n%s", p.Name, c.msg, c.key, c.want, logs)
 		}
 	}
-	if strings.Contains(logs, "xds update rejected") {
-		t.Errorf("%s: the stand-in rejected an xDS update:\n%s", p.Name, logs)
+	if len(standInLog(logs, "xds update rejected"))+len(standInLog(logs, "sds update rejected")) > 0 {
+		t.Errorf("%s: the stand-in rejected an update:\n%s", p.Name, logs)
 	}
 }
 
