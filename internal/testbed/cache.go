@@ -150,7 +150,7 @@ func cacheDirs(root string) (k8sDir, auxDir string, err error) {
 		return "", "", err
 	}
 	auxParts = append(auxParts, []byte(pluginsLine))
-	for _, d := range []string{"internal/testbed/cmd/testbed-pause", "internal/testbed/cmd/testbed-echo"} {
+	for _, d := range []string{"pkg/testbed/cmd/testbed-pause", "pkg/testbed/cmd/testbed-echo"} {
 		files, _ := filepath.Glob(filepath.Join(root, d, "*.go"))
 		if len(files) == 0 {
 			return "", "", fmt.Errorf("testbed cache key: no sources in %s", d)
@@ -309,10 +309,10 @@ func ensureAux(ctx context.Context, log *slog.Logger, root string, b Binaries) e
 			return fmt.Errorf("build CNI plugins: %w: %s", err, out)
 		}
 		pause, echo := filepath.Join(tmp, "pause"), filepath.Join(tmp, "echo")
-		if err := ociimage.GoBinary(ctx, root, "./internal/testbed/cmd/testbed-pause", pause); err != nil {
+		if err := ociimage.GoBinary(ctx, root, "./pkg/testbed/cmd/testbed-pause", pause); err != nil {
 			return err
 		}
-		if err := ociimage.GoBinary(ctx, root, "./internal/testbed/cmd/testbed-echo", echo); err != nil {
+		if err := ociimage.GoBinary(ctx, root, "./pkg/testbed/cmd/testbed-echo", echo); err != nil {
 			return err
 		}
 		err := ociimage.BuildArchive(ctx, filepath.Join(tmp, "images.tar"),
