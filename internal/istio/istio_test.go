@@ -59,9 +59,9 @@ func TestPinnedVersion(t *testing.T) {
 	}
 	gomod := filepath.Join(dir, istio.WrapperDir, "go.mod")
 	for content, want := range map[string]string{
-		"module x\n\nrequire istio.io/istio v0.0.0-20260827124520-eed52ebb66ad\n":       "v0.0.0-20260827124520-eed52ebb66ad",
+		"module x\n\nrequire istio.io/istio v0.0.0-20260827124520-eed52ebb66ad\n":     "v0.0.0-20260827124520-eed52ebb66ad",
 		"module x\n\nrequire (\n\tistio.io/istio v1.28.0\n\tistio.io/api v1.0.0\n)\n": "v1.28.0",
-		"module x\n\nrequire istio.io/istiox v1.0.0\n":                                  "",
+		"module x\n\nrequire istio.io/istiox v1.0.0\n":                                "",
 	} {
 		if err := os.WriteFile(gomod, []byte(content), 0o644); err != nil {
 			t.Fatal(err)
