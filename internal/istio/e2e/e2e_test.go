@@ -3,20 +3,14 @@ package e2e
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"net/netip"
 	"os"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
 
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/meshcni/meshcni/internal/istio"
 	"github.com/meshcni/meshcni/internal/proxysim"
@@ -26,39 +20,7 @@ import (
 
 func TestMain(m *testing.M) { os.Exit(testbed.RunMain(m)) }
 
-const (
-	namespace  = "istio-e2e"
-	serverPort = 8080 // the echo server's
-	appUID     = 1000
-)
-
-// deployment is one app Deployment in namespace: the app image serving TCP on
-// serverPort as appUID (the client serves too, to stay up; probes are exec'd).
-func deployment(name string) *appsv1.Deployment {
-	one := int32(1)
-	uid := int64(appUID)
-	labels := map[string]string{"app": name}
-	return &appsv1.Deployment{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: namespace},
-		Spec: appsv1.DeploymentSpec{
-			Replicas: &one,
-			Selector: &metav1.LabelSelector{MatchLabels: labels},
-			Template: corev1.PodTemplateSpec{
-				ObjectMeta: metav1.ObjectMeta{Labels: labels},
-				Spec: corev1.PodSpec{
-					TerminationGracePeriodSeconds: new(int64),
-					Containers: []corev1.Container{{
-						Name: "app", Image: istio.AppImage, ImagePullPolicy: corev1.PullNever,
-						Args:            []string{"serve"},
-						Env:             []corev1.EnvVar{{Name: "PORT", Value: strconv.Itoa(serverPort)}},
-						Ports:           []corev1.ContainerPort{{ContainerPort: serverPort}},
-						SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid},
-					}},
-				},
-			},
-		},
-	}
-}
+const namespace = "istio-e2e"
 
 // TestRealIstio: the real webhook injects a client and a server Deployment, Istio's
 // istio-validation passes on meshcni's rules, the pods go Ready through
@@ -95,49 +57,21 @@ func TestRealIstio(t *testing.T) {
 	}
 	t.Logf("istio %s (%s) and meshcni up in %s", inst.Build.Version, inst.Build.Release, time.Since(began).Round(time.Millisecond))
 
-	if err := tb.CreateNamespace(ctx, namespace); err != nil {
+	t.Cleanup(func() {
+		if err := istio.DeleteNamespace(context.Background(), tb, namespace); err != nil {
+			t.Error(err)
+		}
+	})
+	app, err := istio.StartApp(ctx, tb, namespace)
+	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { deleteNamespace(t, tb) })
-	label := []byte(`{"metadata":{"labels":{"istio-injection":"enabled"}}}`)
-	if _, err := tb.Client.CoreV1().Namespaces().Patch(ctx, namespace, types.StrategicMergePatchType, label, metav1.PatchOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	created := time.Now()
-	pods := map[string]*corev1.Pod{}
-	for _, name := range []string{"server", "client"} {
-		if _, err := tb.Client.AppsV1().Deployments(namespace).Create(ctx, deployment(name), metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	for _, name := range []string{"server", "client"} {
-		p, err := readyPod(ctx, tb, name)
-		if err != nil {
-			t.Fatalf("%s: %v", name, err)
-		}
-		t.Logf("%s: pod %s Ready %s after the Deployments were created", name, p.Name, time.Since(created).Round(time.Millisecond))
-		pods[name] = p
+	t.Logf("pods %s and %s Ready %s after the Deployments were created", app.Server.Name, app.Client.Name, app.Ready.Round(time.Millisecond))
+	for _, p := range []*corev1.Pod{app.Server, app.Client} {
 		checkInjected(t, p)
 		checkProxyLog(ctx, t, tb, p)
 	}
-	checkTraffic(ctx, t, tb, pods["client"], pods["server"])
-}
-
-// readyPod waits for the Deployment's pod and for it to be Ready.
-func readyPod(ctx context.Context, tb *testbed.Testbed, app string) (*corev1.Pod, error) {
-	wctx, cancel := context.WithTimeout(ctx, 3*time.Minute)
-	defer cancel()
-	for {
-		l, err := tb.Client.CoreV1().Pods(namespace).List(wctx, metav1.ListOptions{LabelSelector: "app=" + app})
-		if err == nil && len(l.Items) == 1 {
-			return tb.WaitPodReady(wctx, namespace, l.Items[0].Name)
-		}
-		select {
-		case <-wctx.Done():
-			return nil, fmt.Errorf("no pod of Deployment %s: %w", app, wctx.Err())
-		case <-time.After(200 * time.Millisecond):
-		}
-	}
+	checkTraffic(ctx, t, tb, app)
 }
 
 // allContainers lists init (native sidecars included) and app containers.
@@ -214,22 +148,6 @@ func checkInjected(t *testing.T, p *corev1.Pod) {
 	}
 }
 
-// proxyRecords are the stand-in's records in the istio-proxy container's log
-// (pilot-agent passes Envoy's stdout through).
-func proxyRecords(logs string) []proxysim.Record {
-	var out []proxysim.Record
-	for _, line := range strings.Split(logs, "\n") {
-		if !strings.HasPrefix(line, `{"event":`) {
-			continue
-		}
-		var r proxysim.Record
-		if json.Unmarshal([]byte(line), &r) == nil {
-			out = append(out, r)
-		}
-	}
-	return out
-}
-
 // logLine is one JSON log line of the stand-in (slog: msg plus attributes).
 type logLine map[string]any
 
@@ -289,85 +207,26 @@ func checkProxyLog(ctx context.Context, t *testing.T, tb *testbed.Testbed, p *co
 // captured by the client's proxy on 15001 with the original destination intact,
 // forwarded, captured again by the server's proxy on 15006, and delivered to the
 // server app from Istio's inbound passthrough source 127.0.0.6.
-func checkTraffic(ctx context.Context, t *testing.T, tb *testbed.Testbed, client, server *corev1.Pod) {
+func checkTraffic(ctx context.Context, t *testing.T, tb *testbed.Testbed, app *istio.App) {
 	t.Helper()
-	dst := netip.AddrPortFrom(netip.MustParseAddr(server.Status.PodIP), serverPort)
-	clientIP := netip.MustParseAddr(client.Status.PodIP)
-	stdout, stderr, err := tb.Exec(ctx, namespace, client.Name, "app", "/proxysim", "client", "--connect", dst.String(), "--send", "hello\n")
+	tr, err := app.Probe(ctx, tb)
 	if err != nil {
-		t.Fatalf("probe from %s: %v: %s", client.Name, err, stderr)
+		t.Fatal(err)
 	}
-	var res proxysim.ProbeResult
-	if err := json.Unmarshal([]byte(stdout), &res); err != nil {
-		t.Fatalf("probe result %q: %v", stdout, err)
-	}
-	t.Logf("probe %s → %v: %+v", client.Name, dst, res)
-	if !res.Connected || res.Error != "" || res.UID != appUID {
+	res := tr.Probe
+	t.Logf("probe %s → %v: %+v", app.Client.Name, tr.Dst, res)
+	if !res.Connected || res.Error != "" || res.UID != istio.AppUID {
 		t.Fatalf("probe %+v", res)
 	}
 	if !strings.Contains(res.Reply, "127.0.0.6:") || !strings.HasSuffix(res.Reply, "hello\n") {
 		t.Errorf("reply %q: want the server app to see Istio's inbound passthrough source 127.0.0.6 and echo hello", res.Reply)
 	}
-	out, err := waitRecord(ctx, tb, client.Name, func(r proxysim.Record) bool {
-		return r.Event == proxysim.EventConn && r.Listener == proxysim.ListenerOutbound && r.OrigDst == dst
-	})
-	if err != nil {
-		t.Fatalf("client proxy: %v", err)
-	}
+	out, in := tr.Outbound, tr.Inbound
 	if out.Local.Port() != 15001 || out.ForwardErr != "" || out.UID != istio.ProxyUID {
 		t.Errorf("client proxy record %+v: want accepted on 15001, forwarded, as UID %d", out, istio.ProxyUID)
 	}
-	in, err := waitRecord(ctx, tb, server.Name, func(r proxysim.Record) bool {
-		return r.Event == proxysim.EventConn && r.Listener == proxysim.ListenerInbound && r.OrigDst == dst && r.Peer.Addr() == clientIP
-	})
-	if err != nil {
-		t.Fatalf("server proxy: %v", err)
-	}
-	if in.Local.Port() != 15006 || in.ForwardErr != "" {
-		t.Errorf("server proxy record %+v: want accepted on 15006 and forwarded", in)
+	if in.Local.Port() != 15006 || in.ForwardErr != "" || in.OrigDst != tr.Dst {
+		t.Errorf("server proxy record %+v: want accepted on 15006 with original destination %v, forwarded", in, tr.Dst)
 	}
 	t.Logf("outbound %v → %v captured on %v; inbound from %v captured on %v", out.Peer, out.OrigDst, out.Local, in.Peer, in.Local)
-}
-
-// waitRecord polls a pod's istio-proxy log for a record matching match.
-func waitRecord(ctx context.Context, tb *testbed.Testbed, pod string, match func(proxysim.Record) bool) (proxysim.Record, error) {
-	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
-	defer cancel()
-	var logs string
-	for {
-		var err error
-		logs, err = tb.PodLogs(ctx, namespace, pod, "istio-proxy")
-		if err == nil {
-			for _, r := range proxyRecords(logs) {
-				if match(r) {
-					return r, nil
-				}
-			}
-		}
-		select {
-		case <-ctx.Done():
-			return proxysim.Record{}, errors.New("no matching record in the istio-proxy log:\n" + logs)
-		case <-time.After(200 * time.Millisecond):
-		}
-	}
-}
-
-func deleteNamespace(t *testing.T, tb *testbed.Testbed) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	if err := tb.Client.CoreV1().Namespaces().Delete(ctx, namespace, metav1.DeleteOptions{}); err != nil {
-		t.Errorf("delete namespace %s: %v", namespace, err)
-		return
-	}
-	for {
-		if _, err := tb.Client.CoreV1().Namespaces().Get(ctx, namespace, metav1.GetOptions{}); err != nil {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Errorf("namespace %s not gone", namespace)
-			return
-		case <-time.After(250 * time.Millisecond):
-		}
-	}
 }
