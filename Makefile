@@ -56,7 +56,7 @@ images:
 # Everything stays up afterwards; demo-down removes it (helm uninstall, test bed down).
 demo:
 	bash hack/deps
-	$(GO) run ./hack/demo up --hub $(HUB) --tag $(TAG)
+	$(GO) run ./hack/demo up --hub $(HUB) --tag $(TAG) $(if $(ISTIO),--istio)
 demo-down:
 	$(GO) run ./hack/demo down
 # The first demo: meshcni's rules in a bare network namespace, no Kubernetes.

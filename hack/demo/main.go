@@ -5,6 +5,11 @@
 //	    running), install meshcni with its Helm chart, run the demo app and print what
 //	    happened; exit 1 if anything did not happen as shown. Everything stays up to
 //	    be explored (eval "$(hack/testbed env)"; kubectl -n meshcni-demo get pods).
+//	demo up --istio
+//	    the same, then the real Istio (hack/istio up: istiod with its injector, Istio's
+//	    charts) and an app in namespace istio-demo injected by istiod's webhook:
+//	    prints the injected pods and a client → server connection captured by the
+//	    proxies (make demo ISTIO=1; docs/istio.md).
 //	demo down
 //	    remove the demo app and the meshcni release, then stop the test bed
 //	    (hack/testbed down).
@@ -41,6 +46,7 @@ func main() {
 	}
 	fs := pflag.NewFlagSet("demo "+cmd, pflag.ExitOnError)
 	hub := fs.String("hub", image.DefaultHub, "image hub")
+	withIstio := fs.Bool("istio", false, "also install the real Istio and run an app its webhook injects")
 	tag := fs.String("tag", image.DefaultTag, "image tag")
 	_ = fs.Parse(flagenv.GoStyle(fs, args))
 	if fs.NArg() > 0 {
@@ -53,7 +59,7 @@ func main() {
 	var err error
 	switch cmd {
 	case "up":
-		err = up(ctx, log, *hub, *tag)
+		err = up(ctx, log, *hub, *tag, *withIstio)
 	case "down":
 		err = down(ctx, log)
 	}
@@ -81,7 +87,7 @@ func hackTestbed(ctx context.Context, dir string, args ...string) error {
 	return nil
 }
 
-func up(ctx context.Context, log *slog.Logger, hub, tag string) error {
+func up(ctx context.Context, log *slog.Logger, hub, tag string, withIstio bool) error {
 	began := time.Now()
 	dir, err := root()
 	if err != nil {
@@ -100,6 +106,9 @@ func up(ctx context.Context, log *slog.Logger, hub, tag string) error {
 		return err
 	}
 	_, err = demo.Run(ctx, tb, demo.Options{RepoRoot: dir, Hub: hub, Tag: tag, Out: os.Stdout, Log: log, Keep: true})
+	if err == nil && withIstio {
+		err = runIstio(ctx, log, tb, dir)
+	}
 	fmt.Printf("\ndemo took %s. Everything is still running: eval \"$(hack/testbed env)\"; kubectl -n %s get pods -o wide; make demo-down removes it.\n",
 		time.Since(began).Round(time.Second), demo.Namespace)
 	return err

@@ -474,6 +474,9 @@ func apiserverArgs() []string {
 		"--service-cluster-ip-range=" + ServiceCIDR,
 		"--authorization-mode=Node,RBAC",
 		"--allow-privileged=true",
+		// Admission webhooks (Istio's injector) are called at their Service's
+		// endpoints: there is no kube-proxy to route a ClusterIP.
+		"--enable-aggregator-routing=true",
 		"--cert-dir=" + filepath.Join(BaseDir, "apiserver"),
 		"--profiling=false",
 		"--v=1",

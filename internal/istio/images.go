@@ -1,0 +1,147 @@
+package istio
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"log/slog"
+	"maps"
+	"os"
+	"path/filepath"
+	"slices"
+	"time"
+
+	"github.com/meshcni/meshcni/internal/build/ociimage"
+	"github.com/meshcni/meshcni/internal/reporoot"
+)
+
+// Image names: Istio's injection template writes <global.hub>/proxyv2:<global.tag>
+// and the istiod chart <hub>/pilot:<tag>.
+const (
+	Hub = "meshcni.local/istio"
+	Tag = "dev"
+	// AppImage is the test app: /echo (the test bed's echo server, its entrypoint)
+	// and /proxysim (meshcni-proxysim, for `/proxysim client` probes from the app
+	// container).
+	AppImage = Hub + "/app:" + Tag
+	// ProxyUID is the UID Istio runs pilot-agent and Envoy as; istiod's image runs
+	// as it too (the chart sets runAsNonRoot).
+	ProxyUID = 1337
+)
+
+// PilotImage and ProxyImage are istiod's image and the proxyv2 stand-in.
+var (
+	PilotImage = Hub + "/pilot:" + Tag
+	ProxyImage = Hub + "/proxyv2:" + Tag
+)
+
+// Paths inside the proxyv2 image, as Istio's own image has them.
+const (
+	AgentPath         = "/usr/local/bin/pilot-agent"
+	EnvoyPath         = "/usr/local/bin/envoy"
+	BootstrapTmplPath = "/var/lib/istio/envoy/envoy_bootstrap_tmpl.json"
+)
+
+// stand-ins built from meshcni's module for the images.
+var standIns = map[string]string{
+	"envoy":    "./hack/envoy",
+	"proxysim": "./hack/proxysim",
+	"echo":     "./internal/testbed/cmd/testbed-echo",
+}
+
+// Images builds (or finds cached) the archive holding PilotImage, ProxyImage and
+// AppImage for build b and returns its path. The stand-ins are rebuilt every time
+// (seconds when Go's build cache is warm); the archive is cached by their content
+// and the Istio build.
+func Images(ctx context.Context, log *slog.Logger, b Build) (string, error) {
+	if log == nil {
+		log = slog.Default()
+	}
+	root, err := reporoot.Find()
+	if err != nil {
+		return "", fmt.Errorf("istio images: %w", err)
+	}
+	start := time.Now()
+	work, err := os.MkdirTemp("", "meshcni-istio-standins-")
+	if err != nil {
+		return "", err
+	}
+	defer os.RemoveAll(work)
+	parts := [][]byte{[]byte(b.Dir), []byte(PilotImage + ProxyImage + AppImage)}
+	bins := map[string]string{}
+	for _, name := range slices.Sorted(maps.Keys(standIns)) {
+		pkg := standIns[name]
+		out := filepath.Join(work, name)
+		if err := ociimage.GoBinary(ctx, root, pkg, out); err != nil {
+			return "", fmt.Errorf("istio images: %w", err)
+		}
+		sum, err := fileSum(out)
+		if err != nil {
+			return "", err
+		}
+		bins[name] = out
+		parts = append(parts, []byte(name), []byte(sum))
+	}
+	dir := filepath.Join(CacheRoot(), "images-"+hashOf(parts...))
+	archive := filepath.Join(dir, "images.tar")
+	if _, err := os.Stat(filepath.Join(dir, completeMarker)); err == nil {
+		log.Info("istio images cached", "archive", archive, "took", time.Since(start).Round(time.Millisecond))
+		return archive, nil
+	}
+	err = publish(dir, func(tmp string) error {
+		return ociimage.BuildArchive(ctx, filepath.Join(tmp, "images.tar"), imageOptions(b, bins)...)
+	})
+	if err != nil {
+		return "", fmt.Errorf("istio images: %w", err)
+	}
+	log.Info("istio images built", "archive", archive, "took", time.Since(start).Round(time.Millisecond))
+	return archive, nil
+}
+
+// imageOptions describes the three images.
+func imageOptions(b Build, bins map[string]string) []ociimage.Options {
+	uid := fmt.Sprintf("%d:%d", ProxyUID, ProxyUID)
+	tmp := map[string]os.FileMode{"/tmp": os.ModeSticky | 0o777}
+	return []ociimage.Options{
+		{
+			Ref:        PilotImage,
+			Files:      map[string]string{"/usr/local/bin/pilot-discovery": b.Bin("pilot-discovery")},
+			Dirs:       tmp,
+			Entrypoint: []string{"/usr/local/bin/pilot-discovery"},
+			User:       uid,
+		},
+		{
+			Ref: ProxyImage,
+			Files: map[string]string{
+				AgentPath:         b.Bin("pilot-agent"),
+				EnvoyPath:         bins["envoy"],
+				BootstrapTmplPath: b.Bootstrap(),
+			},
+			Dirs: map[string]os.FileMode{
+				"/tmp": os.ModeSticky | 0o777, "/etc/istio/proxy": 0o777, "/var/lib/istio/data": 0o777,
+			},
+			Entrypoint: []string{AgentPath},
+		},
+		{
+			Ref:        AppImage,
+			Files:      map[string]string{"/echo": bins["echo"], "/proxysim": bins["proxysim"]},
+			Dirs:       tmp,
+			Entrypoint: []string{"/echo"},
+		},
+	}
+}
+
+func fileSum(path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return "", err
+	}
+	return hex.EncodeToString(h.Sum(nil)), nil
+}
