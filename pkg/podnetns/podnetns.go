@@ -82,7 +82,8 @@ type Handle struct {
 	id   nsID
 }
 
-// Fd is the handle's file descriptor (close-on-exec), for libraries that take one.
+// Fd is the handle's file descriptor (close-on-exec), for libraries that take one;
+// -1 once closed.
 func (h *Handle) Fd() int { return h.fd }
 
 // NetnsPath is /proc/self/fd/<fd>: a path that opens the held namespace (setns,
