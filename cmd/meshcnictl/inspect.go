@@ -71,8 +71,10 @@ them with the rules the CNI plugin derives from the pod (as explain shows them).
 
 POD is [NAMESPACE/]NAME (or -n NAMESPACE NAME), read from the API server
 (--kubeconfig, default $KUBECONFIG, then the in-cluster service account). Its
-network namespace is found on this node from the pod's IPs: in the --netns-dir
-directories first, then in /proc; --netns PATH skips the search.
+network namespace is found on this node from the pod's IPs, in the --netns-dir
+directories and in /proc; when several namespaces hold them (a stale one, an
+address in use twice) inspect names them and refuses to choose. --netns PATH
+skips the search.
 
 NETNS is a path to a network namespace file (absolute, or starting with ./ or ../),
 e.g. /var/run/netns/cni-1234 or /proc/PID/ns/net: its live rules are printed, with
@@ -185,6 +187,9 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 	}
 
 	r := &inspectReport{Netns: f.netns}
+	// enter is the path the rules are read through: the one given, else the found
+	// namespace's open handle (r.Netns names it).
+	enter := f.netns
 	if ref != "" {
 		ns, name, err := podRef(ref, f.namespace)
 		if err != nil {
@@ -213,13 +218,16 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 		r.pod, r.plan = pod, &p
 		r.Pod, r.Node, r.Meshed, r.Reason, r.Warnings, r.Spec = ns+"/"+name, pod.Spec.NodeName, &meshed, p.Decision.Reason, p.Warnings, p.Spec
 		if r.Netns == "" {
-			if r.Netns, err = f.findNetns(ctx, pod); err != nil {
+			h, err := f.findNetns(ctx, pod)
+			if err != nil {
 				return &exitError{code: exitUsage, err: err}
 			}
+			defer h.Close()
+			r.Netns, enter = h.Path, h.NetnsPath()
 		}
 	}
 
-	o := engine.Options{Backend: kind, NetnsPath: r.Netns}
+	o := engine.Options{Backend: kind, NetnsPath: enter}
 	live, err := engine.Live(ctx, o)
 	if err != nil {
 		return &exitError{code: exitUsage, err: fmt.Errorf("read the live rules in %s: %w", r.Netns, err)}
@@ -354,26 +362,28 @@ func checkNetnsPath(p string) error {
 	return nil
 }
 
-// findNetns finds the pod's netns on this node, or says why not (another node, no IP
-// yet, the host network).
-func (f *inspectFlags) findNetns(ctx context.Context, pod *corev1.Pod) (string, error) {
+// findNetns finds the pod's netns on this node and holds it open, or says why not
+// (another node, no IP yet, the host network, several namespaces holding its IPs).
+func (f *inspectFlags) findNetns(ctx context.Context, pod *corev1.Pod) (*podnetns.Handle, error) {
 	finder := &podnetns.Finder{NetnsDirs: f.netnsDirs}
-	p, err := finder.FindPod(ctx, pod)
+	h, err := finder.FindPod(ctx, pod)
 	if err == nil {
-		return p, nil
+		return h, nil
 	}
 	id := pod.Namespace + "/" + pod.Name
 	switch {
 	case errors.Is(err, podnetns.ErrHostNetwork):
-		return "", fmt.Errorf("pod %s uses the host network: no netns of its own, meshcni does not redirect it", id)
+		return nil, fmt.Errorf("pod %s uses the host network: no netns of its own, meshcni does not redirect it", id)
 	case pod.Spec.NodeName == "" && (errors.Is(err, podnetns.ErrNoPodIP) || errors.Is(err, podnetns.ErrNotFound)):
-		return "", fmt.Errorf("pod %s is not scheduled to a node yet", id)
+		return nil, fmt.Errorf("pod %s is not scheduled to a node yet", id)
 	case pod.Spec.NodeName != f.nodeName && (errors.Is(err, podnetns.ErrNoPodIP) || errors.Is(err, podnetns.ErrNotFound)):
-		return "", fmt.Errorf("pod %s runs on node %s, this is node %s (--node-name): run inspect on %s", id, pod.Spec.NodeName, f.nodeName, pod.Spec.NodeName)
+		return nil, fmt.Errorf("pod %s runs on node %s, this is node %s (--node-name): run inspect on %s", id, pod.Spec.NodeName, f.nodeName, pod.Spec.NodeName)
 	case errors.Is(err, podnetns.ErrNotFound):
-		return "", fmt.Errorf("%w (give the runtime's netns directory with --netns-dir, or --netns)", err)
+		return nil, fmt.Errorf("%w (give the runtime's netns directory with --netns-dir, or --netns)", err)
+	case errors.Is(err, podnetns.ErrAmbiguous):
+		return nil, fmt.Errorf("%w (give the pod's netns with --netns)", err)
 	}
-	return "", err
+	return nil, err
 }
 
 // podRef parses [NAMESPACE/]NAME; the namespace defaults to ns (-n).

@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/google/nftables"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshcni/meshcni/internal/agenttest"
@@ -20,6 +22,7 @@ import (
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -329,7 +332,72 @@ func TestInspectExplainTestbed(t *testing.T) {
 		}
 	})
 
+	t.Run("ambiguous", func(t *testing.T) {
+		// A second namespace holding the meshed pod's IP (a stale one): inspect names
+		// both and refuses to choose; --netns settles it.
+		ip := running["meshed"].Status.PodIP
+		dir := t.TempDir()
+		stale := bindNetns(t, dir, "cni-stale", staleNetns(t, ip))
+		args := append(append([]string{"inspect"}, common...), "--netns-dir", dir, inspectNS+"/meshed")
+		out, code, err := ctl(t, args...)
+		text := out
+		if err != nil {
+			text += "\nerror: " + err.Error()
+		}
+		for _, w := range []string{"several network namespaces hold the pod's addresses (" + ip + ")", stale + " holds " + ip, testbedNetnsDir + "/cni-", "give the pod's netns with --netns"} {
+			if !strings.Contains(text, w) {
+				t.Errorf("output lacks %q", w)
+			}
+		}
+		if code != exitUsage {
+			t.Fatalf("exit %d, want %d:\n%s", code, exitUsage, text)
+		}
+		t.Logf("meshcnictl %s (exit %d):\n%s", strings.Join(args, " "), code, text)
+		out, code, _ = ctl(t, "inspect", "--kubeconfig", tb.Kubeconfig(), "--netns", netnsOf("meshed"), inspectNS+"/meshed")
+		if code != 0 || !strings.Contains(out, "result:   in sync") {
+			t.Fatalf("with --netns: exit %d:\n%s", code, out)
+		}
+	})
+
 	// explain from the API says the same decisions for the same pods.
 	testExplainAPI(t, tb.Kubeconfig(), inspectNS)
 	t.Logf("wall time %s", time.Since(start).Round(time.Millisecond))
+}
+
+// staleNetns makes a netns holding ip on eth0 (a veth pair with both ends inside).
+func staleNetns(t *testing.T, ip string) string {
+	t.Helper()
+	addr, err := netlink.ParseAddr(ip + "/32")
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := testutil.NewNetns(t)
+	err = netnsutil.Do(path, func() error {
+		link := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "eth0"}, PeerName: "peer0"}
+		if err := netlink.LinkAdd(link); err != nil {
+			return err
+		}
+		if err := netlink.LinkSetUp(link); err != nil {
+			return err
+		}
+		return netlink.AddrAdd(link, addr)
+	})
+	if err != nil {
+		t.Fatalf("netns with %s: %v", ip, err)
+	}
+	return path
+}
+
+// bindNetns bind-mounts the namespace file src at dir/name, as a runtime does.
+func bindNetns(t *testing.T, dir, name, src string) string {
+	t.Helper()
+	dst := filepath.Join(dir, name)
+	if err := os.WriteFile(dst, nil, 0o444); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount(src, dst, "none", unix.MS_BIND, ""); err != nil {
+		t.Fatalf("bind %s at %s: %v", src, dst, err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(dst, unix.MNT_DETACH) })
+	return dst
 }

@@ -12,8 +12,9 @@ import (
 	"github.com/meshcni/meshcni/pkg/podnetns"
 )
 
-// BenchmarkFind finds the last of n pod namespaces: in a netns directory, and through
-// /proc only (each namespace held by a sleeping process, no directory).
+// BenchmarkFind finds the last of n pod namespaces: in a netns directory (alone, and
+// with the /proc scan every Find makes by default), and through /proc only (each
+// namespace held by a sleeping process, no directory).
 func BenchmarkFind(b *testing.B) {
 	testutil.RequireRoot(b)
 	sleep := testutil.RequireBinary(b, "sleep")
@@ -25,14 +26,22 @@ func BenchmarkFind(b *testing.B) {
 			bindInto(b, dir, fmt.Sprintf("cni-%03d", i), podNetns(b, false, v4))
 			last = v4
 		}
-		b.Run(fmt.Sprintf("dir/%d", n), func(b *testing.B) {
-			f := &podnetns.Finder{NetnsDirs: []string{dir}, ProcDir: "-"}
-			for b.Loop() {
-				if _, err := f.Find(context.Background(), []netip.Addr{last}); err != nil {
-					b.Fatal(err)
-				}
+		for _, proc := range []string{"-", ""} {
+			name := fmt.Sprintf("dir/%d", n)
+			if proc == "" {
+				name = fmt.Sprintf("dir+proc/%d", n)
 			}
-		})
+			b.Run(name, func(b *testing.B) {
+				f := &podnetns.Finder{NetnsDirs: []string{dir}, ProcDir: proc}
+				for b.Loop() {
+					h, err := f.Find(context.Background(), []netip.Addr{last})
+					if err != nil {
+						b.Fatal(err)
+					}
+					h.Close()
+				}
+			})
+		}
 	}
 	const n = 10
 	var last netip.Addr
@@ -49,9 +58,11 @@ func BenchmarkFind(b *testing.B) {
 	b.Run(fmt.Sprintf("proc/%d", n), func(b *testing.B) {
 		f := &podnetns.Finder{NetnsDirs: []string{}}
 		for b.Loop() {
-			if _, err := f.Find(context.Background(), []netip.Addr{last}); err != nil {
+			h, err := f.Find(context.Background(), []netip.Addr{last})
+			if err != nil {
 				b.Fatal(err)
 			}
+			h.Close()
 		}
 	})
 }

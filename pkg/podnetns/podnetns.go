@@ -1,8 +1,9 @@
 // Package podnetns finds a pod's network namespace on this host from the pod's IP
 // addresses: it scans bind-mounted netns files (where container runtimes keep them)
-// and, as a fallback, the network namespaces of the host's processes, and looks for
-// the addresses on an interface other than loopback, over netlink. The host's own
-// network namespace is never returned.
+// and the network namespaces of the host's processes, and looks for the addresses on
+// an interface other than loopback, over netlink. It returns the namespace held open
+// (Handle), never the host's own, and refuses to choose when several namespaces hold
+// the addresses.
 package podnetns
 
 import (
@@ -14,6 +15,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -50,6 +52,9 @@ var DefaultNetnsDirs = []string{
 var (
 	// ErrNotFound: no network namespace on this host holds the addresses.
 	ErrNotFound = errors.New("network namespace not found on this host")
+	// ErrAmbiguous: several network namespaces hold the addresses, and none is the
+	// only one to hold all of them: the finder refuses to choose.
+	ErrAmbiguous = errors.New("several network namespaces hold the pod's addresses")
 	// ErrHostNetwork: the pod shares the host's network namespace.
 	ErrHostNetwork = errors.New("pod uses the host network")
 	// ErrNoPodIP: the pod has no IP address yet.
@@ -61,46 +66,117 @@ type Finder struct {
 	// NetnsDirs are directories of bind-mounted netns files to scan first
 	// (nil: DefaultNetnsDirs; an empty, non-nil slice scans none).
 	NetnsDirs []string
-	// ProcDir is the proc filesystem to scan as a fallback ("" = /proc; "-" = no fallback).
+	// ProcDir is the proc filesystem to scan as well ("" = /proc; "-" = none).
 	ProcDir string
+}
+
+// Handle is a network namespace held open: the namespace that was found and
+// verified, whatever becomes of the path it was found through (a process that exits
+// and whose PID is reused, a file unmounted). Enter it through NetnsPath or Fd, never
+// through Path again. The caller closes it.
+type Handle struct {
+	// Path is the path the namespace was found through: a runtime's netns file, else
+	// /proc/<pid>/ns/net. It names the namespace in messages.
+	Path string
+	fd   int
+	id   nsID
+}
+
+// Fd is the handle's file descriptor (close-on-exec), for libraries that take one;
+// -1 once closed.
+func (h *Handle) Fd() int { return h.fd }
+
+// NetnsPath is /proc/self/fd/<fd>: a path that opens the held namespace (setns,
+// open) for as long as the handle is open, for APIs that take a path
+// (engine.Options.NetnsPath, netnsutil.Do). Only this process can use it.
+func (h *Handle) NetnsPath() string { return "/proc/self/fd/" + strconv.Itoa(h.fd) }
+
+// Inode is the namespace's inode number (as `ls -iL` and `lsns` show it).
+func (h *Handle) Inode() uint64 { return h.id.ino }
+
+// Close releases the namespace; a second Close does nothing.
+func (h *Handle) Close() error {
+	if h == nil || h.fd < 0 {
+		return nil
+	}
+	fd := h.fd
+	h.fd = -1
+	if err := unix.Close(fd); err != nil {
+		return fmt.Errorf("close netns %s: %w", h.Path, err)
+	}
+	return nil
+}
+
+// Open opens the network namespace at path and holds it; a path that is not a
+// network namespace is an error.
+func Open(path string) (*Handle, error) {
+	fd, id, err := openNS(path)
+	if err != nil {
+		return nil, fmt.Errorf("netns %s: %w", path, err)
+	}
+	return &Handle{Path: path, fd: fd, id: id}, nil
 }
 
 type nsID struct{ dev, ino uint64 }
 
-// scan is the state of one Find: namespaces seen (by device and inode), the host's.
-type scan struct {
-	ips     map[netip.Addr]bool
-	seen    map[nsID]bool
-	host    nsID
-	scanned int
-	errs    []error
+// candidate is a namespace that holds some of the addresses, held open.
+type candidate struct {
+	Handle
+	held []netip.Addr // in the order of scan.ips
 }
 
-// Find returns a path that opens the netns holding any of ips on an interface other than lo
-// (a file in NetnsDirs or /proc/<pid>/ns/net), or an error wrapping ErrNotFound.
+// scan is the state of one Find: namespaces seen (by device and inode), the host's,
+// the candidates found.
+type scan struct {
+	ips     []netip.Addr
+	seen    map[nsID]bool
+	scanned int
+	errs    []error
+	found   []*candidate
+}
+
+// Find returns the network namespace holding ips on interfaces other than lo, held
+// open, or an error wrapping ErrNotFound or ErrAmbiguous.
 //
-// Candidates are tried in order: each directory of NetnsDirs (entries sorted by
-// name), then /proc/<pid>/ns/net for every process (ascending PID). Each namespace is
-// inspected once, however many paths lead to it; the first that holds an address wins.
-func (f *Finder) Find(ctx context.Context, ips []netip.Addr) (string, error) {
+// Every namespace reachable on the host is inspected, once however many paths lead
+// to it (namespaces are told apart by device and inode, not path): the files of each
+// directory of NetnsDirs (sorted by name), then /proc/<pid>/ns/net for every process
+// (ascending PID). A namespace is named by the first path that led to it, so a
+// runtime's netns file (containerd's cni-<uuid>, tied to the pod's sandbox) is
+// preferred to a process's. The namespace returned is the only one that holds all
+// of ips; when none holds all, the only one that holds any. Otherwise Find refuses
+// to choose: several namespaces holding a pod's address are a stale namespace or a
+// reused address, and the wrong choice would act on another pod.
+func (f *Finder) Find(ctx context.Context, ips []netip.Addr) (*Handle, error) {
 	if len(ips) == 0 {
-		return "", errors.New("find netns: no IP address given")
+		return nil, errors.New("find netns: no IP address given")
 	}
-	s := &scan{ips: map[netip.Addr]bool{}, seen: map[nsID]bool{}}
+	s := &scan{seen: map[nsID]bool{}}
 	for _, ip := range ips {
-		s.ips[ip.Unmap()] = true
+		if ip = ip.Unmap(); !slices.Contains(s.ips, ip) {
+			s.ips = append(s.ips, ip)
+		}
 	}
 	host, err := ownNS()
 	if err != nil {
-		return "", fmt.Errorf("find netns: the host's own netns: %w", err)
+		return nil, fmt.Errorf("find netns: the host's own netns: %w", err)
 	}
-	s.host = host
 	s.seen[host] = true
-
 	dirs := f.NetnsDirs
 	if dirs == nil {
 		dirs = DefaultNetnsDirs
 	}
+	if err := s.all(ctx, dirs, f.ProcDir); err != nil {
+		s.closeAll(nil)
+		return nil, err
+	}
+	h, err := s.choose(dirs, f.ProcDir)
+	s.closeAll(h)
+	return h, err
+}
+
+// all inspects the namespaces of dirs, then of proc's processes.
+func (s *scan) all(ctx context.Context, dirs []string, proc string) error {
 	seenDirs := map[nsID]bool{}
 	for _, dir := range dirs {
 		var st unix.Stat_t
@@ -124,38 +200,77 @@ func (f *Finder) Find(ctx context.Context, ips []netip.Addr) (string, error) {
 			if e.IsDir() {
 				continue
 			}
-			if p, ok, err := s.try(ctx, filepath.Join(dir, e.Name())); err != nil || ok {
-				return p, err
+			if err := s.try(ctx, filepath.Join(dir, e.Name())); err != nil {
+				return err
 			}
 		}
 	}
-
-	if f.ProcDir != "-" {
-		proc := f.ProcDir
-		if proc == "" {
-			proc = "/proc"
-		}
-		entries, err := os.ReadDir(proc)
-		if err != nil {
-			s.errs = append(s.errs, fmt.Errorf("%s: %w", proc, err))
-		}
-		var pids []int
-		for _, e := range entries {
-			if pid, err := strconv.Atoi(e.Name()); err == nil && pid > 0 {
-				pids = append(pids, pid)
-			}
-		}
-		sort.Ints(pids)
-		for _, pid := range pids {
-			if p, ok, err := s.try(ctx, filepath.Join(proc, strconv.Itoa(pid), "ns", "net")); err != nil || ok {
-				return p, err
-			}
+	if proc == "-" {
+		return nil
+	}
+	if proc == "" {
+		proc = "/proc"
+	}
+	entries, err := os.ReadDir(proc)
+	if err != nil {
+		s.errs = append(s.errs, fmt.Errorf("%s: %w", proc, err))
+	}
+	var pids []int
+	for _, e := range entries {
+		if pid, err := strconv.Atoi(e.Name()); err == nil && pid > 0 {
+			pids = append(pids, pid)
 		}
 	}
-	return "", s.notFound(ips, dirs, f.ProcDir)
+	sort.Ints(pids)
+	for _, pid := range pids {
+		if err := s.try(ctx, filepath.Join(proc, strconv.Itoa(pid), "ns", "net")); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
-func (s *scan) notFound(ips []netip.Addr, dirs []string, proc string) error {
+// choose picks the namespace that holds all the addresses, else the only one that
+// holds any.
+func (s *scan) choose(dirs []string, proc string) (*Handle, error) {
+	var full []*candidate
+	for _, c := range s.found {
+		if len(c.held) == len(s.ips) {
+			full = append(full, c)
+		}
+	}
+	switch {
+	case len(full) == 1:
+		return &full[0].Handle, nil
+	case len(full) > 1:
+		return nil, s.ambiguous(full)
+	case len(s.found) == 1:
+		return &s.found[0].Handle, nil
+	case len(s.found) > 1:
+		return nil, s.ambiguous(s.found)
+	}
+	return nil, s.notFound(dirs, proc)
+}
+
+// closeAll closes every candidate but keep.
+func (s *scan) closeAll(keep *Handle) {
+	for _, c := range s.found {
+		if &c.Handle != keep {
+			_ = c.Close()
+		}
+	}
+}
+
+func (s *scan) ambiguous(cs []*candidate) error {
+	msgs := make([]string, len(cs))
+	for i, c := range cs {
+		msgs[i] = fmt.Sprintf("netns inode %d at %s holds %s", c.id.ino, c.Path, joinAddrs(c.held))
+	}
+	return fmt.Errorf("%w (%s): %s; refusing to choose (a stale namespace, or an address in use twice)",
+		ErrAmbiguous, joinAddrs(s.ips), strings.Join(msgs, "; "))
+}
+
+func (s *scan) notFound(dirs []string, proc string) error {
 	where := "netns dirs " + strings.Join(dirs, ", ")
 	switch proc {
 	case "-":
@@ -165,7 +280,7 @@ func (s *scan) notFound(ips []netip.Addr, dirs []string, proc string) error {
 		where += " and " + proc
 	}
 	err := fmt.Errorf("%w: no network namespace holds %s (%d namespaces looked into, in %s)",
-		ErrNotFound, joinAddrs(ips), s.scanned, where)
+		ErrNotFound, joinAddrs(s.ips), s.scanned, where)
 	if len(s.errs) > 0 {
 		// Unreadable candidates are common (processes that exit, unmounted files);
 		// name a few so a permission problem is visible.
@@ -193,33 +308,84 @@ func joinAddrs(ips []netip.Addr) string {
 	return strings.Join(s, ", ")
 }
 
-// try inspects the namespace at path once: ok when it holds one of the addresses.
-// Only a cancelled context is returned as an error; unreadable candidates are noted.
-func (s *scan) try(ctx context.Context, path string) (string, bool, error) {
+// try opens the namespace at path, once per namespace, and keeps it open as a
+// candidate when it holds one of the addresses: what is identified, inspected and
+// returned is the one open file. Only a cancelled context is returned as an error;
+// unreadable candidates are noted.
+func (s *scan) try(ctx context.Context, path string) error {
 	if err := ctx.Err(); err != nil {
-		return "", false, fmt.Errorf("find netns: %w", err)
+		return fmt.Errorf("find netns: %w", err)
 	}
-	id, err := statNS(path)
+	// Most processes share a namespace already seen (the host's): a stat is enough
+	// to skip them. What is inspected is identified by the open file below.
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err == nil && s.seen[nsID{uint64(st.Dev), st.Ino}] {
+		return nil
+	}
+	fd, id, err := openNS(path)
 	if err != nil {
 		if !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ESRCH) && !errors.Is(err, errNotNetns) {
 			s.errs = append(s.errs, fmt.Errorf("%s: %w", path, err))
 		}
-		return "", false, nil
+		return nil
 	}
 	if s.seen[id] {
-		return "", false, nil
+		unix.Close(fd)
+		return nil
 	}
 	s.seen[id] = true
 	s.scanned++
-	ok, err := holds(path, s.ips)
-	if err != nil {
-		s.errs = append(s.errs, fmt.Errorf("%s: %w", path, err))
-		return "", false, nil
+	held, err := holds(fd, s.ips)
+	if err != nil || len(held) == 0 {
+		if err != nil {
+			s.errs = append(s.errs, fmt.Errorf("%s: %w", path, err))
+		}
+		unix.Close(fd)
+		return nil
 	}
-	return path, ok, nil
+	s.found = append(s.found, &candidate{Handle: Handle{Path: path, fd: fd, id: id}, held: held})
+	return nil
 }
 
 var errNotNetns = errors.New("not a network namespace")
+
+// nsGetNSType is NS_GET_NSTYPE (linux/nsfs.h, Linux 4.11): the type of a namespace fd.
+const nsGetNSType = 0xb703
+
+// openNS opens path, which must be a network namespace (a bind-mounted netns file or
+// /proc/<pid>/ns/net; a plain file, an unmounted leftover, is not one), and
+// identifies it by the open file. O_NONBLOCK: a FIFO left in a netns directory must
+// not block the scan.
+func openNS(path string) (int, nsID, error) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return -1, nsID{}, err
+	}
+	id, err := fdNS(fd)
+	if err != nil {
+		unix.Close(fd)
+		return -1, nsID{}, err
+	}
+	return fd, id, nil
+}
+
+func fdNS(fd int) (nsID, error) {
+	var sfs unix.Statfs_t
+	if err := unix.Fstatfs(fd, &sfs); err != nil {
+		return nsID{}, err
+	}
+	if sfs.Type != unix.NSFS_MAGIC {
+		return nsID{}, errNotNetns
+	}
+	if t, err := unix.IoctlRetInt(fd, nsGetNSType); err == nil && t != unix.CLONE_NEWNET {
+		return nsID{}, errNotNetns // another kind of namespace (a kernel without the ioctl: assumed net)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nsID{}, err
+	}
+	return nsID{uint64(st.Dev), st.Ino}, nil
+}
 
 // ownNS identifies the network namespace this process runs in: the calling thread's,
 // locked for the look-up. (/proc/self/ns/net is the main thread's, which in a Go
@@ -228,61 +394,57 @@ var errNotNetns = errors.New("not a network namespace")
 func ownNS() (nsID, error) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	return statNS("/proc/thread-self/ns/net")
-}
-
-// statNS identifies the namespace at path, which must be an nsfs file (a bind-mounted
-// netns or /proc/<pid>/ns/net); a plain file (an unmounted leftover) is not one.
-func statNS(path string) (nsID, error) {
-	var sfs unix.Statfs_t
-	if err := unix.Statfs(path, &sfs); err != nil {
+	fd, id, err := openNS("/proc/thread-self/ns/net")
+	if err != nil {
 		return nsID{}, err
 	}
-	if sfs.Type != unix.NSFS_MAGIC {
-		return nsID{}, errNotNetns
-	}
-	var st unix.Stat_t
-	if err := unix.Stat(path, &st); err != nil {
-		return nsID{}, err
-	}
-	return nsID{uint64(st.Dev), st.Ino}, nil
+	unix.Close(fd)
+	return id, nil
 }
 
 // holds lists the namespace's addresses over a netlink socket opened in it (no thread
-// of ours enters it beyond the socket's creation) and reports whether one of ips sits
-// on a link that is not a loopback.
-func holds(path string, ips map[netip.Addr]bool) (bool, error) {
-	h, err := netns.GetFromPath(path)
+// of ours enters it beyond the socket's creation) and returns those of ips that sit
+// on a link that is not a loopback, in the order of ips.
+func holds(fd int, ips []netip.Addr) ([]netip.Addr, error) {
+	nl, err := netlink.NewHandleAt(netns.NsHandle(fd), unix.NETLINK_ROUTE)
 	if err != nil {
-		return false, fmt.Errorf("open: %w", err)
-	}
-	defer h.Close()
-	nl, err := netlink.NewHandleAt(h, unix.NETLINK_ROUTE)
-	if err != nil {
-		return false, fmt.Errorf("netlink socket in netns: %w", err)
+		return nil, fmt.Errorf("netlink socket in netns: %w", err)
 	}
 	defer nl.Close()
 	addrs, err := nl.AddrList(nil, netlink.FAMILY_ALL)
 	if err != nil {
-		return false, fmt.Errorf("list addresses: %w", err)
+		return nil, fmt.Errorf("list addresses: %w", err)
 	}
+	on := map[netip.Addr]bool{}
+	loopback := map[int]bool{}
 	for _, a := range addrs {
 		if a.IPNet == nil {
 			continue
 		}
 		ip, ok := netip.AddrFromSlice(a.IP)
-		if !ok || !ips[ip.Unmap()] {
+		if !ok || !slices.Contains(ips, ip.Unmap()) {
 			continue
 		}
-		link, err := nl.LinkByIndex(a.LinkIndex)
-		if err != nil {
-			return false, fmt.Errorf("link %d: %w", a.LinkIndex, err)
+		lo, seen := loopback[a.LinkIndex]
+		if !seen {
+			link, err := nl.LinkByIndex(a.LinkIndex)
+			if err != nil {
+				return nil, fmt.Errorf("link %d: %w", a.LinkIndex, err)
+			}
+			lo = link.Attrs().Flags&net.FlagLoopback != 0
+			loopback[a.LinkIndex] = lo
 		}
-		if link.Attrs().Flags&net.FlagLoopback == 0 {
-			return true, nil
+		if !lo {
+			on[ip.Unmap()] = true
 		}
 	}
-	return false, nil
+	var held []netip.Addr
+	for _, ip := range ips {
+		if on[ip] {
+			held = append(held, ip)
+		}
+	}
+	return held, nil
 }
 
 // PodIPs returns the pod's addresses from its status (status.podIPs, else status.podIP).
@@ -314,25 +476,26 @@ func PodIPs(pod *corev1.Pod) ([]netip.Addr, error) {
 	return out, nil
 }
 
-// FindPod finds the pod's network namespace from its status.podIPs. A hostNetwork
-// pod is an error wrapping ErrHostNetwork, a pod without an IP one wrapping ErrNoPodIP.
-func (f *Finder) FindPod(ctx context.Context, pod *corev1.Pod) (string, error) {
+// FindPod finds the pod's network namespace from its status.podIPs and holds it open
+// (Find). A hostNetwork pod is an error wrapping ErrHostNetwork, a pod without an IP
+// one wrapping ErrNoPodIP.
+func (f *Finder) FindPod(ctx context.Context, pod *corev1.Pod) (*Handle, error) {
 	if pod == nil {
-		return "", errors.New("find netns: no pod")
+		return nil, errors.New("find netns: no pod")
 	}
 	if pod.Spec.HostNetwork {
-		return "", fmt.Errorf("pod %s/%s: %w (it has no network namespace of its own)", pod.Namespace, pod.Name, ErrHostNetwork)
+		return nil, fmt.Errorf("pod %s/%s: %w (it has no network namespace of its own)", pod.Namespace, pod.Name, ErrHostNetwork)
 	}
 	ips, err := PodIPs(pod)
 	if err != nil {
-		return "", err
+		return nil, err
 	}
 	if len(ips) == 0 {
-		return "", fmt.Errorf("pod %s/%s: %w (phase %s)", pod.Namespace, pod.Name, ErrNoPodIP, pod.Status.Phase)
+		return nil, fmt.Errorf("pod %s/%s: %w (phase %s)", pod.Namespace, pod.Name, ErrNoPodIP, pod.Status.Phase)
 	}
-	p, err := f.Find(ctx, ips)
+	h, err := f.Find(ctx, ips)
 	if err != nil {
-		return "", fmt.Errorf("pod %s/%s: %w", pod.Namespace, pod.Name, err)
+		return nil, fmt.Errorf("pod %s/%s: %w", pod.Namespace, pod.Name, err)
 	}
-	return p, nil
+	return h, nil
 }

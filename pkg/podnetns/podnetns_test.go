@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -135,16 +136,19 @@ func TestFindInDir(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Find(%v): %v", tc.ips, err)
 			}
-			if got != want {
-				t.Fatalf("Find(%v) = %s, want %s", tc.ips, got, want)
+			defer got.Close()
+			if got.Path != want || !sameNS(t, got.NetnsPath(), target) {
+				t.Fatalf("Find(%v) = %s (%s), want %s", tc.ips, got.Path, got.NetnsPath(), want)
 			}
 		})
 	}
 	t.Run("default dirs include /run/netns", func(t *testing.T) {
-		got, err := (&podnetns.Finder{ProcDir: "-"}).Find(context.Background(), []netip.Addr{v4})
+		h, err := (&podnetns.Finder{ProcDir: "-"}).Find(context.Background(), []netip.Addr{v4})
 		if err != nil {
 			t.Fatal(err)
 		}
+		defer h.Close()
+		got := h.Path
 		if !sameNS(t, got, target) || !strings.HasPrefix(got, "/var/run/netns/") && !strings.HasPrefix(got, "/run/netns/") {
 			t.Fatalf("got %s, want a /run/netns path of %s", got, target)
 		}
@@ -165,10 +169,12 @@ func TestFindProcFallback(t *testing.T) {
 
 	// No dir holds it (empty dir): only the sleeping process leads to it.
 	f := &podnetns.Finder{NetnsDirs: []string{t.TempDir()}}
-	got, err := f.Find(context.Background(), []netip.Addr{v4})
+	h, err := f.Find(context.Background(), []netip.Addr{v4})
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer h.Close()
+	got := h.Path
 	if !strings.HasPrefix(got, "/proc/") || !strings.HasSuffix(got, "/ns/net") || !sameNS(t, got, target) {
 		t.Fatalf("got %s, want /proc/<pid>/ns/net of %s (sleep is pid %d)", got, target, cmd.Process.Pid)
 	}
@@ -232,7 +238,7 @@ func TestNotFound(t *testing.T) {
 			f := &podnetns.Finder{NetnsDirs: []string{dir}, ProcDir: tc.proc}
 			got, err := f.Find(context.Background(), []netip.Addr{tc.ip})
 			if !errors.Is(err, podnetns.ErrNotFound) {
-				t.Fatalf("Find(%v) = %q, %v; want ErrNotFound", tc.ip, got, err)
+				t.Fatalf("Find(%v) = %+v, %v; want ErrNotFound", tc.ip, got, err)
 			}
 			if !strings.Contains(err.Error(), tc.ip.String()) || !strings.Contains(err.Error(), tc.wantMsg) {
 				t.Fatalf("error %q should name %v and say %q", err, tc.ip, tc.wantMsg)
@@ -284,14 +290,191 @@ func TestFindPod(t *testing.T) {
 			defer cancel()
 			got, err := f.FindPod(ctx, tc.pod)
 			if tc.want != "" {
-				if err != nil || got != tc.want {
-					t.Fatalf("FindPod = %q, %v; want %q", got, err, tc.want)
+				if err != nil || got.Path != tc.want {
+					t.Fatalf("FindPod = %+v, %v; want %q", got, err, tc.want)
 				}
+				got.Close()
 				return
 			}
 			if err == nil || (tc.wantErr != nil && !errors.Is(err, tc.wantErr)) || !strings.Contains(err.Error(), tc.errText) {
-				t.Fatalf("FindPod = %q, %v; want an error %v containing %q", got, err, tc.wantErr, tc.errText)
+				t.Fatalf("FindPod = %+v, %v; want an error %v containing %q", got, err, tc.wantErr, tc.errText)
 			}
 		})
+	}
+}
+
+// openFds counts this process's open file descriptors.
+func openFds(t *testing.T) int {
+	t.Helper()
+	es, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(es)
+}
+
+// TestFindAmbiguous: two distinct namespaces holding the pod's addresses are refused
+// (the fault: the first one found was "repaired" while the pod stayed broken), unless
+// exactly one holds all of them; one namespace reached through several paths (bind
+// mounts, a process's /proc/PID/ns/net) is one candidate, named by the runtime's file.
+func TestFindAmbiguous(t *testing.T) {
+	testutil.RequireRoot(t)
+	sleep := testutil.RequireBinary(t, "sleep")
+	v4, v6 := uniqueAddrs()
+	dual := []netip.Addr{v4, v6}
+	dir := t.TempDir()
+	// Each namespace in its own directory: a case picks the directories it scans.
+	put := func(name string, addrs ...netip.Addr) (string, string) {
+		d := filepath.Join(dir, name)
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		ns := podNetns(t, false, addrs...)
+		return d, bindInto(t, d, "cni-"+name, ns)
+	}
+	bothDir, both := put("both", v4, v6)
+	bothToo, bothTooPath := put("both-too", v4, v6)
+	v4Dir, only4 := put("v4only", v4)
+	v6Dir, only6 := put("v6only", v6)
+	// A namespace reachable only through a process (no runtime file of it scanned).
+	procOnly := podNetns(t, false, v4, v6)
+	cmd := exec.Command(sleep, "60")
+	done, err := traffic.StartInNetns(procOnly, traffic.Root, cmd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stopProcOnly := sync.OnceFunc(func() { _ = cmd.Process.Kill(); <-done })
+	t.Cleanup(stopProcOnly)
+	// "both" again, through a second bind mount and a process of its own.
+	bind2Dir := filepath.Join(dir, "both-again")
+	if err := os.Mkdir(bind2Dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	bindInto(t, bind2Dir, "other-name", both)
+	cmd2 := exec.Command(sleep, "60")
+	done2, err := traffic.StartInNetns(both, traffic.Root, cmd2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd2.Process.Kill(); <-done2 })
+
+	for _, tc := range []struct {
+		name string
+		dirs []string
+		proc string
+		ips  []netip.Addr
+		want string   // the path found; "" = ambiguous
+		cand []string // the candidates the ambiguity error names
+	}{
+		{"two hold the address", []string{v4Dir, bothDir}, "-", []netip.Addr{v4}, "", []string{only4, both}},
+		{"two hold all addresses", []string{bothDir, bothToo}, "-", dual, "", []string{both, bothTooPath}},
+		{"each holds a part", []string{v4Dir, v6Dir}, "-", dual, "", []string{only4, only6}},
+		{"a process's namespace counts", []string{bothDir}, "", dual, "", []string{both, fmt.Sprintf("/proc/%d/ns/net", cmd.Process.Pid)}},
+		{"all addresses beat a part", []string{v4Dir, bothDir, v6Dir}, "-", dual, both, nil},
+		{"one namespace, several paths", []string{bothDir, bind2Dir}, "-", dual, both, nil},
+		{"its runtime file is named, not another path", []string{bind2Dir, bothDir}, "-", dual, filepath.Join(bind2Dir, "other-name"), nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fds := openFds(t)
+			h, err := (&podnetns.Finder{NetnsDirs: tc.dirs, ProcDir: tc.proc}).Find(context.Background(), tc.ips)
+			if tc.want != "" {
+				if err != nil {
+					t.Fatalf("Find(%v): %v", tc.ips, err)
+				}
+				if h.Path != tc.want || !sameNS(t, h.NetnsPath(), tc.want) {
+					t.Fatalf("Find(%v) = %s, want %s", tc.ips, h.Path, tc.want)
+				}
+				if err := h.Close(); err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				if !errors.Is(err, podnetns.ErrAmbiguous) {
+					t.Fatalf("Find(%v) = %+v, %v; want ErrAmbiguous", tc.ips, h, err)
+				}
+				for _, c := range tc.cand {
+					if !strings.Contains(err.Error(), c+" holds ") {
+						t.Errorf("error %q does not name candidate %s", err, c)
+					}
+				}
+			}
+			if n := openFds(t); n != fds {
+				t.Fatalf("%d fds open after Find, %d before: a candidate was not closed", n, fds)
+			}
+		})
+	}
+
+	// Without the process-only namespace: "both" is reached through its file and
+	// through a process of its own, and named by its file.
+	stopProcOnly()
+	h, err := (&podnetns.Finder{NetnsDirs: []string{bothDir}}).Find(context.Background(), dual)
+	if err != nil {
+		t.Fatalf("file and process of one namespace: %v", err)
+	}
+	defer h.Close()
+	if h.Path != both {
+		t.Fatalf("found through %s, want the runtime's file %s (process %d holds it too)", h.Path, both, cmd2.Process.Pid)
+	}
+}
+
+// TestHandleHoldsTheNamespace: what the handle enters is the namespace that was
+// verified, even when the path it was found through leads elsewhere afterwards (a
+// PID reused, a netns file replaced).
+func TestHandleHoldsTheNamespace(t *testing.T) {
+	testutil.RequireRoot(t)
+	v4, _ := uniqueAddrs()
+	other4, _ := uniqueAddrs()
+	pod := podNetns(t, false, v4)
+	intruder := podNetns(t, false, other4)
+	dir := t.TempDir()
+	p := bindInto(t, dir, "cni-pod", pod)
+	h, err := (&podnetns.Finder{NetnsDirs: []string{dir}, ProcDir: "-"}).Find(context.Background(), []netip.Addr{v4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	// The path now leads to another namespace.
+	if err := unix.Unmount(p, unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	bindInto(t, dir, "cni-pod", intruder)
+	if !sameNS(t, h.Path, intruder) {
+		t.Fatal("set-up: the path should lead to the intruder now")
+	}
+	var found bool
+	err = netnsutil.Do(h.NetnsPath(), func() error {
+		addrs, err := netlink.AddrList(nil, netlink.FAMILY_V4)
+		for _, a := range addrs {
+			found = found || a.IP.Equal(v4.AsSlice())
+		}
+		return err
+	})
+	if err != nil || !found || !sameNS(t, h.NetnsPath(), pod) {
+		t.Fatalf("entering %s (err %v): pod's address found %v; want the pod's namespace", h.NetnsPath(), err, found)
+	}
+	if h.Inode() == 0 {
+		t.Fatal("no inode")
+	}
+	if err := h.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+}
+
+func TestOpen(t *testing.T) {
+	h, err := podnetns.Open("/proc/thread-self/ns/net")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	if !sameNS(t, h.NetnsPath(), "/proc/thread-self/ns/net") {
+		t.Fatal("NetnsPath leads elsewhere")
+	}
+	for _, p := range []string{"/proc/self/ns/mnt", t.TempDir(), "/etc/hostname", filepath.Join(t.TempDir(), "missing")} {
+		if h, err := podnetns.Open(p); err == nil {
+			h.Close()
+			t.Errorf("Open(%s): no error, want one (not a network namespace)", p)
+		}
 	}
 }

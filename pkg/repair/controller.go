@@ -73,9 +73,11 @@ type Pods interface {
 	WaitForSync(ctx context.Context) bool
 }
 
-// Netns finds a pod's network namespace on this host (podnetns.Finder).
+// Netns finds a pod's network namespace on this host and holds it open
+// (podnetns.Finder: an error wrapping podnetns.ErrAmbiguous when several namespaces
+// hold the pod's addresses).
 type Netns interface {
-	FindPod(ctx context.Context, pod *corev1.Pod) (string, error)
+	FindPod(ctx context.Context, pod *corev1.Pod) (*podnetns.Handle, error)
 }
 
 // ApplyFunc writes a pod's redirect (engine.Apply).
@@ -470,7 +472,10 @@ func (c *Controller) act(ctx context.Context, pod *corev1.Pod, d Decision) (stri
 	return "", fmt.Errorf("unknown action %q", d.Action)
 }
 
-// repairInPlace finds the pod's netns and applies its redirect there.
+// repairInPlace finds the pod's netns and applies its redirect there, through the
+// namespace's open handle: the namespace found and verified is the one written, even
+// if the path it was found through leads elsewhere meanwhile (a PID reused). Several
+// namespaces holding the pod's addresses are an error: neither is repaired.
 func (c *Controller) repairInPlace(ctx context.Context, pod *corev1.Pod) (string, backend.Kind, error) {
 	ips, err := podnetns.PodIPs(pod)
 	if err != nil {
@@ -486,13 +491,14 @@ func (c *Controller) repairInPlace(ctx context.Context, pod *corev1.Pod) (string
 	for _, w := range res.Warnings {
 		c.o.Log.Warn(w, "pod_namespace", pod.Namespace, "pod_name", pod.Name)
 	}
-	netns, err := c.o.Netns.FindPod(ctx, pod)
+	h, err := c.o.Netns.FindPod(ctx, pod)
 	if err != nil {
 		return "", "", fmt.Errorf("find the pod's network namespace: %w", err)
 	}
-	kind, err := c.o.Apply(ctx, engine.Options{Backend: c.o.Backend, NetnsPath: netns, Logger: c.o.Log}, res.Spec)
+	defer h.Close()
+	kind, err := c.o.Apply(ctx, engine.Options{Backend: c.o.Backend, NetnsPath: h.NetnsPath(), Logger: c.o.Log}, res.Spec)
 	if err != nil {
-		return netns, kind, fmt.Errorf("apply the redirect in %s: %w", netns, err)
+		return h.Path, kind, fmt.Errorf("apply the redirect in %s: %w", h.Path, err)
 	}
-	return netns, kind, nil
+	return h.Path, kind, nil
 }

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -31,19 +32,50 @@ import (
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
-type fakeNetns struct{ err error }
+// fakeNetns "finds" every pod in this test's own network namespace, held open and
+// named /run/netns/<pod name>; it keeps the handles to check they are closed.
+type fakeNetns struct {
+	err     error
+	handles *[]*podnetns.Handle
+	mu      *sync.Mutex
+}
 
-func (f fakeNetns) FindPod(_ context.Context, pod *corev1.Pod) (string, error) {
+func newFakeNetns() fakeNetns { return fakeNetns{handles: &[]*podnetns.Handle{}, mu: &sync.Mutex{}} }
+
+func (f fakeNetns) FindPod(_ context.Context, pod *corev1.Pod) (*podnetns.Handle, error) {
 	if f.err != nil {
-		return "", f.err
+		return nil, f.err
 	}
-	return "/run/netns/" + pod.Name, nil
+	h, err := podnetns.Open("/proc/self/ns/net")
+	if err != nil {
+		return nil, err
+	}
+	h.Path = "/run/netns/" + pod.Name
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	*f.handles = append(*f.handles, h)
+	return h, nil
+}
+
+// open is the number of handles not closed.
+func (f fakeNetns) open() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n := 0
+	for _, h := range *f.handles {
+		if h.Fd() >= 0 {
+			n++
+		}
+	}
+	return n
 }
 
 type applies struct {
 	mu    sync.Mutex
 	calls []engine.Options
 	specs []*spec.Spec
+	// inodes are the namespaces NetnsPath led to while each apply ran (0: none).
+	inodes []uint64
 }
 
 func (a *applies) apply(_ context.Context, o engine.Options, s *spec.Spec) (backend.Kind, error) {
@@ -51,7 +83,16 @@ func (a *applies) apply(_ context.Context, o engine.Options, s *spec.Spec) (back
 	defer a.mu.Unlock()
 	a.calls = append(a.calls, o)
 	a.specs = append(a.specs, s)
+	a.inodes = append(a.inodes, inode(o.NetnsPath))
 	return backend.Nftables, nil
+}
+
+func inode(path string) uint64 {
+	var st unix.Stat_t
+	if unix.Stat(path, &st) != nil {
+		return 0
+	}
+	return st.Ino
 }
 
 func (a *applies) count() int {
@@ -67,6 +108,7 @@ type harness struct {
 	c      *Controller
 	m      *Metrics
 	apply  *applies
+	netns  fakeNetns
 	cancel func()
 	done   chan struct{}
 }
@@ -78,13 +120,13 @@ func start(t *testing.T, action Action, mut func(*Options, *fake.Clientset), pod
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := &harness{logs: &logRecords{}, client: cs, events: record.NewFakeRecorder(100), apply: &applies{}, done: make(chan struct{})}
+	h := &harness{logs: &logRecords{}, client: cs, events: record.NewFakeRecorder(100), apply: &applies{}, netns: newFakeNetns(), done: make(chan struct{})}
 	h.m, _ = NewMetrics(nil)
 	o := Options{
 		Policy: Policy{Node: node, Action: action, Criteria: criteria(), LabelKey: DefaultLabelKey,
 			Mesh: podspec.Config{ExcludeNamespaces: []string{"kube-system"}}},
 		Backend: backend.Nftables, Client: cs, Events: h.events, Pods: cache,
-		Netns: fakeNetns{}, Apply: h.apply.apply, Metrics: h.m, MaxAttempts: 2,
+		Netns: h.netns, Apply: h.apply.apply, Metrics: h.m, MaxAttempts: 2,
 		Log: slog.New(recording{out: slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}), recs: h.logs}),
 	}
 	if mut != nil {
@@ -243,8 +285,13 @@ func TestControllerRepairOncePerFailedRun(t *testing.T) {
 		t.Fatalf("%d applies", n)
 	}
 	o, s := h.apply.calls[0], h.apply.specs[0]
-	if o.NetnsPath != "/run/netns/web" || o.Backend != backend.Nftables || !s.EnableIPv4 || s.EnableIPv6 {
-		t.Fatalf("apply options %+v, spec v4=%v v6=%v", o, s.EnableIPv4, s.EnableIPv6)
+	// Applied through the handle FindPod returned (/proc/self/fd/N, the namespace
+	// found), not through the path it was found by; the handle closed after.
+	if !strings.HasPrefix(o.NetnsPath, "/proc/self/fd/") || h.apply.inodes[0] != inode("/proc/self/ns/net") || o.Backend != backend.Nftables || !s.EnableIPv4 || s.EnableIPv6 {
+		t.Fatalf("apply options %+v (netns inode %d, want %d), spec v4=%v v6=%v", o, h.apply.inodes[0], inode("/proc/self/ns/net"), s.EnableIPv4, s.EnableIPv6)
+	}
+	if n := h.netns.open(); n != 0 {
+		t.Fatalf("%d netns handles left open", n)
 	}
 	if h.count(ActionRepair, resultSuccess) != 1 || h.count(ActionRepair, resultError) != 0 {
 		t.Fatal("metrics")

@@ -437,14 +437,16 @@ func waitEvent(t *testing.T, ctx context.Context, tb *testbed.Testbed, pod *core
 	})
 }
 
-// podNetns finds a pod's netns as the agent does (by its IPs).
+// podNetns finds a pod's netns as the agent does (by its IPs) and holds it until the
+// test ends: the path returned is the handle's (/proc/self/fd/N).
 func podNetns(t testing.TB, ctx context.Context, pod *corev1.Pod) string {
 	t.Helper()
-	p, err := (&podnetns.Finder{NetnsDirs: []string{testbedNetnsDir}, ProcDir: "-"}).FindPod(ctx, pod)
+	h, err := (&podnetns.Finder{NetnsDirs: []string{testbedNetnsDir}, ProcDir: "-"}).FindPod(ctx, pod)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return p
+	t.Cleanup(func() { _ = h.Close() })
+	return h.NetnsPath()
 }
 
 // rulesIn reports the live meshcni rules in the pod's netns ("" = none).

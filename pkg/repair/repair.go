@@ -3,9 +3,10 @@
 // `meshcnictl validate`) reported as unredirected — they started before meshcni was
 // in the node's CNI chain — and fixes them, by one of three actions:
 //
-//   - repair (in place): find the pod's network namespace on the host (pkg/podnetns)
-//     and apply the pod's redirect there (pkg/podspec, pkg/engine), so the next
-//     restart of the init container passes; nothing is deleted;
+//   - repair (in place): find the pod's network namespace on the host (pkg/podnetns;
+//     none when several hold the pod's addresses), hold it open and apply the pod's
+//     redirect there (pkg/podspec, pkg/engine), so the next restart of the init
+//     container passes; nothing is deleted;
 //   - delete: delete the pod (UID and resourceVersion preconditions) so its
 //     controller recreates it, this time through meshcni's plugin;
 //   - label: label the pod (cni.istio.io/uninitialized=true) for operators.
