@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math"
 	"net"
@@ -149,16 +150,51 @@ func (c *Client) writeLocked(line []byte) error {
 	if c.broken {
 		return ErrClosed
 	}
-	if err := c.conn.SetWriteDeadline(time.Now().Add(WriteTimeout)); err != nil {
-		c.fail()
-		return ErrClosed
-	}
-	if _, err := c.conn.Write(line); err != nil {
+	if err := c.sendRaw(line, nil); err != nil {
 		// A partial line would corrupt the stream: drop the connection.
 		c.fail()
 		return fmt.Errorf("%w: %v", ErrClosed, err)
 	}
 	return nil
+}
+
+// sendRaw writes b (with the control message oob, if any) whole. It first tries once
+// without waiting, so a deadline cannot expire before the first attempt however late
+// this goroutine is scheduled on a loaded node; only when the agent is not reading
+// (the socket's buffer is full) does it wait, at most WriteTimeout, for the rest.
+func (c *Client) sendRaw(b, oob []byte) error {
+	uc, ok := c.conn.(*net.UnixConn)
+	if !ok {
+		return errors.New("not a unix connection")
+	}
+	rc, err := uc.SyscallConn()
+	if err != nil {
+		return err
+	}
+	n, serr := 0, error(nil)
+	if err := rc.Control(func(fd uintptr) {
+		n, serr = unix.SendmsgN(int(fd), b, oob, nil, unix.MSG_DONTWAIT|unix.MSG_NOSIGNAL)
+	}); err != nil {
+		return err
+	}
+	switch {
+	case serr == nil && n == len(b):
+		return nil
+	case serr != nil && !errors.Is(serr, unix.EAGAIN):
+		return serr
+	case serr != nil:
+		n = 0 // nothing sent: the control message goes with the rest
+	default:
+		oob = nil // sent with the first bytes
+	}
+	if err := uc.SetWriteDeadline(time.Now().Add(WriteTimeout)); err != nil {
+		return err
+	}
+	m, _, err := uc.WriteMsgUnix(b[n:], oob, nil)
+	if err == nil && m != len(b)-n {
+		err = io.ErrShortWrite
+	}
+	return err
 }
 
 func (c *Client) fail() {
@@ -342,8 +378,7 @@ func (c *Client) Release(fds ...int) error {
 	if c == nil {
 		return ErrClosed
 	}
-	uc, ok := c.conn.(*net.UnixConn)
-	if !ok || len(fds) == 0 {
+	if _, ok := c.conn.(*net.UnixConn); !ok || len(fds) == 0 {
 		return ErrClosed
 	}
 	line := []byte(releaseLine)
@@ -352,12 +387,7 @@ func (c *Client) Release(fds ...int) error {
 	if c.broken {
 		return ErrClosed
 	}
-	if err := c.conn.SetWriteDeadline(time.Now().Add(WriteTimeout)); err != nil {
-		c.fail()
-		return ErrClosed
-	}
-	n, _, err := uc.WriteMsgUnix(line, syscall.UnixRights(fds...), nil)
-	if err != nil || n != len(line) {
+	if err := c.sendRaw(line, syscall.UnixRights(fds...)); err != nil {
 		// A partial line would corrupt the stream: drop the connection.
 		c.fail()
 		return fmt.Errorf("%w: release: %v", ErrClosed, err)
