@@ -78,7 +78,8 @@ func FuzzParseSave(f *testing.F) {
 // FuzzOwnedRule fuzzes the ownership decision for rules in the kernel's own chains,
 // where other software's rules live: a rule is meshcni's only when its target (the
 // last -j) is an ISTIO_* chain, or it is RETURN/CONNMARK/MARK and the whole rule has
-// one of the builder's exact shapes (no comment, no extra match). A rule made
+// one of the builder's exact shapes (no comment match, no extra -j; an interface
+// may be named like an option, "-i --comment -j RETURN", as the kernel allows). A rule made
 // someone else's by a final "-j ACCEPT", or any rule with another target, is not.
 func FuzzOwnedRule(f *testing.F) {
 	for _, s := range []string{
@@ -110,7 +111,7 @@ func FuzzOwnedRule(f *testing.F) {
 		switch {
 		case ownedChain(target):
 		case target == "RETURN" || target == "CONNMARK" || target == "MARK":
-			if strings.Count(spec, "-j ") != 1 || strings.ContainsAny(spec, "\"'\n\t") || strings.Contains(spec, "--comment") || strings.Contains(spec, "  ") {
+			if strings.Count(spec, "-j ") != 1 || strings.ContainsAny(spec, "\"'\n\t") || strings.Contains(spec, "-m comment") || strings.Contains(spec, "  ") {
 				t.Fatalf("%q is not one of the builder's shapes but is taken as meshcni's", spec)
 			}
 		default:
