@@ -81,3 +81,27 @@ manifests: helm
 .PHONY: reference
 reference:
 	$(GO) test -count=1 ./internal/refdoc -run '^TestReferenceUpToDate$$' -update
+
+# --- Fuzzing (docs/security.md "Fuzzing") ---
+# Each target of FUZZ_TARGETS (package:FuzzName) runs alone (-fuzz takes one target).
+# `make fuzz` runs each for FUZZTIME executions; fuzz-smoke runs each briefly. The
+# seed corpora (f.Add and testdata/fuzz/) also run as plain tests in `go test`.
+.PHONY: fuzz fuzz-smoke
+FUZZ_TARGETS := \
+	./pkg/podspec:FuzzSpec \
+	./pkg/spec:FuzzParsePorts ./pkg/spec:FuzzParsePrefixes ./pkg/spec:FuzzParseNames ./pkg/spec:FuzzParseModeBool \
+	./pkg/plugin:FuzzParseConfig ./pkg/plugin:FuzzCNIArgs \
+	./pkg/cniconf:FuzzInjectRemove \
+	./pkg/kubeapi:FuzzParseKubeconfig \
+	./pkg/agentsock:FuzzServeConn \
+	./internal/nl:FuzzNetlinkWalk \
+	./pkg/backend/iptables:FuzzParseSave ./pkg/backend/iptables:FuzzOwnedRule
+FUZZTIME ?= 1000000x
+FUZZPARALLEL ?= 1
+fuzz:
+	@set -e; for t in $(FUZZ_TARGETS); do \
+		echo "== $${t#*:} ($${t%%:*}), $(FUZZTIME)"; \
+		$(GO) test -run '^$$' -fuzz "^$${t#*:}\$$" -fuzztime $(FUZZTIME) -parallel $(FUZZPARALLEL) $${t%%:*}; \
+	done
+fuzz-smoke:
+	@$(MAKE) --no-print-directory fuzz FUZZTIME=2000x
