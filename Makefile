@@ -23,7 +23,7 @@ lint: $(STATICCHECK)
 	$(STATICCHECK) ./...
 
 # What CI runs (docs/testing.md, "What make test runs").
-test: lint unit e2e bench-smoke
+test: lint unit e2e bench-smoke fuzz-smoke
 
 # Unit tests: everything that needs neither root, nor a program on PATH, nor the test
 # bed (those skip under -short, also with CI=true), packages in parallel, race detector on.
