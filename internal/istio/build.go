@@ -16,8 +16,6 @@ package istio
 import (
 	"bufio"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -29,6 +27,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/meshcni/meshcni/internal/build/cachedir"
 	"github.com/meshcni/meshcni/internal/reporoot"
 )
 
@@ -61,8 +60,6 @@ var Charts = map[string]string{
 // images carry it at /var/lib/istio/envoy/envoy_bootstrap_tmpl.json.
 const BootstrapTemplate = "tools/packaging/common/envoy_bootstrap.json"
 
-const completeMarker = ".complete"
-
 // Build is a cached Istio build.
 type Build struct {
 	// Version is the module version (a pseudo-version), Release the module's VERSION
@@ -83,17 +80,7 @@ func (b Build) Chart(name string) string { return filepath.Join(b.Dir, "charts",
 func (b Build) Bootstrap() string { return filepath.Join(b.Dir, "envoy_bootstrap.json") }
 
 // CacheRoot is ${XDG_CACHE_HOME:-$HOME/.cache}/meshcni/istio.
-func CacheRoot() string {
-	base := os.Getenv("XDG_CACHE_HOME")
-	if base == "" {
-		home, err := os.UserHomeDir()
-		if err != nil || home == "" {
-			home = "/root"
-		}
-		base = filepath.Join(home, ".cache")
-	}
-	return filepath.Join(base, "meshcni", "istio")
-}
+func CacheRoot() string { return cachedir.Root("istio") }
 
 // PinnedVersion reads the Istio version required by the wrapper module's go.mod.
 func PinnedVersion(root string) (string, error) {
@@ -122,15 +109,6 @@ func revision(version string) string {
 	return version[i+1:]
 }
 
-func hashOf(parts ...[]byte) string {
-	h := sha256.New()
-	for _, p := range parts {
-		fmt.Fprintf(h, "%d:", len(p))
-		h.Write(p)
-	}
-	return hex.EncodeToString(h.Sum(nil))[:16]
-}
-
 func goEnv(ctx context.Context, key string) (string, error) {
 	out, err := exec.CommandContext(ctx, "go", "env", key).Output()
 	if err != nil {
@@ -156,7 +134,7 @@ func cacheDir(ctx context.Context, root string) (version, dir string, err error)
 		}
 		parts = append(parts, b)
 	}
-	return version, filepath.Join(CacheRoot(), "istio-"+revision(version)+"-"+hashOf(parts...)), nil
+	return version, filepath.Join(CacheRoot(), "istio-"+revision(version)+"-"+cachedir.Hash(parts...)), nil
 }
 
 // ErrNotBuilt is returned by Lookup when Istio is not in the cache.
@@ -173,7 +151,7 @@ func Lookup(ctx context.Context) (Build, error) {
 		return Build{}, err
 	}
 	b := Build{Version: version, Revision: revision(version), Dir: dir}
-	if _, err := os.Stat(filepath.Join(dir, completeMarker)); err != nil {
+	if _, err := os.Stat(filepath.Join(dir, cachedir.Marker)); err != nil {
 		return b, fmt.Errorf("%w (no %s)", ErrNotBuilt, dir)
 	}
 	return b, b.readInfo()
@@ -214,13 +192,13 @@ func EnsureBuilt(ctx context.Context, log *slog.Logger) (Build, error) {
 		return Build{}, err
 	}
 	b := Build{Version: version, Revision: revision(version), Dir: dir}
-	if _, err := os.Stat(filepath.Join(dir, completeMarker)); err == nil {
+	if _, err := os.Stat(filepath.Join(dir, cachedir.Marker)); err == nil {
 		log.Info("istio cached", "version", version, "dir", dir)
 		return b, b.readInfo()
 	}
 	start := time.Now()
 	log.Info("building istio (pilot-discovery, pilot-agent, istioctl)", "version", version, "dir", dir)
-	err = publish(dir, func(tmp string) error { return fill(ctx, root, version, tmp, start) })
+	err = cachedir.Publish(dir, func(tmp string) error { return fill(ctx, root, version, tmp, start) })
 	if err != nil {
 		return b, fmt.Errorf("build istio %s: %w", version, err)
 	}
@@ -289,36 +267,6 @@ func moduleDir(ctx context.Context, wrapper string) (string, error) {
 		return "", fmt.Errorf("go mod download %s: %s", Module, m.Error)
 	}
 	return m.Dir, nil
-}
-
-// publish fills a fresh temporary sibling of dir with fill, marks it complete and
-// renames it into place.
-func publish(dir string, fill func(tmp string) error) error {
-	if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
-		return err
-	}
-	tmp, err := os.MkdirTemp(filepath.Dir(dir), filepath.Base(dir)+".tmp-")
-	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(tmp)
-	if err := fill(tmp); err != nil {
-		return err
-	}
-	if _, err := os.Stat(filepath.Join(dir, completeMarker)); err == nil {
-		return nil // a concurrent build published it first
-	}
-	if err := os.WriteFile(filepath.Join(tmp, completeMarker), []byte(time.Now().UTC().Format(time.RFC3339)+"\n"), 0o644); err != nil {
-		return err
-	}
-	if err := os.Chmod(tmp, 0o755); err != nil {
-		return err
-	}
-	_ = os.RemoveAll(dir)
-	if err := os.Rename(tmp, dir); err != nil {
-		return fmt.Errorf("publish %s: %w", dir, err)
-	}
-	return nil
 }
 
 // copyTree copies a directory of regular files (module cache files are read-only;

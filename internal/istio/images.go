@@ -13,6 +13,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/meshcni/meshcni/internal/build/cachedir"
 	"github.com/meshcni/meshcni/internal/build/ociimage"
 	"github.com/meshcni/meshcni/internal/reporoot"
 )
@@ -84,13 +85,13 @@ func Images(ctx context.Context, log *slog.Logger, b Build) (string, error) {
 		bins[name] = out
 		parts = append(parts, []byte(name), []byte(sum))
 	}
-	dir := filepath.Join(CacheRoot(), "images-"+hashOf(parts...))
+	dir := filepath.Join(CacheRoot(), "images-"+cachedir.Hash(parts...))
 	archive := filepath.Join(dir, "images.tar")
-	if _, err := os.Stat(filepath.Join(dir, completeMarker)); err == nil {
+	if _, err := os.Stat(filepath.Join(dir, cachedir.Marker)); err == nil {
 		log.Info("istio images cached", "archive", archive, "took", time.Since(start).Round(time.Millisecond))
 		return archive, nil
 	}
-	err = publish(dir, func(tmp string) error {
+	err = cachedir.Publish(dir, func(tmp string) error {
 		return ociimage.BuildArchive(ctx, filepath.Join(tmp, "images.tar"), imageOptions(b, bins)...)
 	})
 	if err != nil {

@@ -2,8 +2,6 @@ package testbed
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -14,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/meshcni/meshcni/internal/build/cachedir"
 	"github.com/meshcni/meshcni/internal/build/ociimage"
 	"github.com/meshcni/meshcni/internal/reporoot"
 )
@@ -75,21 +74,6 @@ func (b Binaries) CNIPluginDir() string { return filepath.Join(b.AuxDir, "cni") 
 // ImagesArchive is the docker archive with PauseImage and EchoImage.
 func (b Binaries) ImagesArchive() string { return filepath.Join(b.AuxDir, "images.tar") }
 
-const completeMarker = ".complete"
-
-// CacheRoot is ${XDG_CACHE_HOME:-$HOME/.cache}/meshcni/testbed.
-func CacheRoot() string {
-	base := os.Getenv("XDG_CACHE_HOME")
-	if base == "" {
-		home, err := os.UserHomeDir()
-		if err != nil || home == "" {
-			home = "/root"
-		}
-		base = filepath.Join(home, ".cache")
-	}
-	return filepath.Join(base, "meshcni", "testbed")
-}
-
 // RepoRoot finds the meshcni module root, walking up from the working directory.
 func RepoRoot() (string, error) {
 	dir, err := reporoot.Find()
@@ -117,15 +101,6 @@ func toolchainVersion() (string, error) {
 		goVersion = strings.TrimSpace(string(out))
 	})
 	return goVersion, goVersionErr
-}
-
-func hashOf(parts ...[]byte) string {
-	h := sha256.New()
-	for _, p := range parts {
-		fmt.Fprintf(h, "%d:", len(p))
-		h.Write(p)
-	}
-	return hex.EncodeToString(h.Sum(nil))[:16]
 }
 
 // cacheDirs computes the cache directories for the repository at root.
@@ -158,9 +133,12 @@ func cacheDirs(root string) (k8sDir, auxDir string, err error) {
 		}
 	}
 	cr := CacheRoot()
-	return filepath.Join(cr, "k8s-"+KubernetesVersion+"-"+hashOf(k8sParts...)),
-		filepath.Join(cr, "aux-"+hashOf(auxParts...)), nil
+	return filepath.Join(cr, "k8s-"+KubernetesVersion+"-"+cachedir.Hash(k8sParts...)),
+		filepath.Join(cr, "aux-"+cachedir.Hash(auxParts...)), nil
 }
+
+// CacheRoot is ${XDG_CACHE_HOME:-$HOME/.cache}/meshcni/testbed.
+func CacheRoot() string { return cachedir.Root("testbed") }
 
 // ErrNotBuilt is returned by Lookup when the binaries are not in the cache.
 var ErrNotBuilt = errors.New("test bed binaries are not built: run hack/testbed build")
@@ -179,14 +157,14 @@ func Lookup() (Binaries, error) {
 		return Binaries{}, err
 	}
 	b := Binaries{K8sDir: k8sDir, AuxDir: auxDir}
-	if _, err := os.Stat(filepath.Join(k8sDir, completeMarker)); err != nil {
+	if _, err := os.Stat(filepath.Join(k8sDir, cachedir.Marker)); err != nil {
 		return b, fmt.Errorf("%w (no %s)", ErrNotBuilt, k8sDir)
 	}
 	return b, nil
 }
 
 func auxBuilt(b Binaries) bool {
-	_, err := os.Stat(filepath.Join(b.AuxDir, completeMarker))
+	_, err := os.Stat(filepath.Join(b.AuxDir, cachedir.Marker))
 	return err == nil
 }
 
@@ -206,7 +184,7 @@ func Build(ctx context.Context, log *slog.Logger) (Binaries, error) {
 		return Binaries{}, err
 	}
 	b := Binaries{K8sDir: k8sDir, AuxDir: auxDir}
-	if _, err := os.Stat(filepath.Join(k8sDir, completeMarker)); err != nil {
+	if _, err := os.Stat(filepath.Join(k8sDir, cachedir.Marker)); err != nil {
 		if err := buildK8s(ctx, log, root, k8sDir); err != nil {
 			return b, err
 		}
@@ -219,37 +197,10 @@ func Build(ctx context.Context, log *slog.Logger) (Binaries, error) {
 	return b, nil
 }
 
-// publish fills a fresh temporary sibling of dir with fill, marks it complete and
-// renames it into place.
-func publish(dir string, fill func(tmp string) error) error {
-	if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
-		return err
-	}
-	tmp, err := os.MkdirTemp(filepath.Dir(dir), filepath.Base(dir)+".tmp-")
-	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(tmp)
-	if err := fill(tmp); err != nil {
-		return err
-	}
-	if _, err := os.Stat(filepath.Join(dir, completeMarker)); err == nil {
-		return nil // a concurrent build published it first
-	}
-	if err := os.WriteFile(filepath.Join(tmp, completeMarker), []byte(time.Now().UTC().Format(time.RFC3339)+"\n"), 0o644); err != nil {
-		return err
-	}
-	_ = os.RemoveAll(dir)
-	if err := os.Rename(tmp, dir); err != nil {
-		return fmt.Errorf("publish %s: %w", dir, err)
-	}
-	return nil
-}
-
 func buildK8s(ctx context.Context, log *slog.Logger, root, dir string) error {
 	start := time.Now()
 	log.Info("building kubernetes (cold: 5–13 min on 2 cores; warm: ~30 s)", "version", KubernetesVersion, "dir", dir)
-	err := publish(dir, func(tmp string) error {
+	err := cachedir.Publish(dir, func(tmp string) error {
 		args := []string{"build", "-trimpath", "-ldflags=" + k8sLdflags, "-o", tmp + "/"}
 		for _, c := range k8sCommands {
 			args = append(args, "k8s.io/kubernetes/cmd/"+c)
@@ -274,7 +225,7 @@ func ensureAux(ctx context.Context, log *slog.Logger, root string, b Binaries) e
 		return nil
 	}
 	start := time.Now()
-	err := publish(b.AuxDir, func(tmp string) error {
+	err := cachedir.Publish(b.AuxDir, func(tmp string) error {
 		cni := filepath.Join(tmp, "cni")
 		args := []string{"install", "-trimpath", "-ldflags=-s -w"}
 		for _, p := range cniPlugins {
