@@ -9,7 +9,8 @@
 # (CGO_ENABLED=0, -trimpath, -s -w, -X main.version) in /usr/local/bin, the CNI plugin in
 # /opt/meshcni/bin/meshcni (meshcni-agent's default --plugin-binary) with its API helper
 # meshcni-podget beside it, /tmp 1777, on
-# scratch, entrypoint meshcni-agent, no USER (the agent writes the node's CNI
+# scratch, entrypoint meshcnictl (the image stands in for Istio's proxy-init image; the
+# chart names the agent's command), no USER (the agent writes the node's CNI
 # directories as root; the other commands run as any UID the pod sets). Not run in CI.
 ARG GO_VERSION=1.26.8
 
@@ -42,4 +43,4 @@ LABEL org.opencontainers.image.title="meshcni" \
       org.opencontainers.image.revision="${REVISION}"
 COPY --from=build /rootfs/ /
 ENV PATH=/usr/local/bin:/opt/meshcni/bin
-ENTRYPOINT ["/usr/local/bin/meshcni-agent"]
+ENTRYPOINT ["/usr/local/bin/meshcnictl"]

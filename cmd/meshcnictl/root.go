@@ -37,7 +37,9 @@ func run(args []string) int {
 	root := newRoot()
 	root.SetArgs(args)
 	if err := root.Execute(); err != nil {
-		fmt.Fprintf(os.Stderr, "meshcnictl: %v\n", err)
+		if !errors.Is(err, errReported) {
+			fmt.Fprintf(os.Stderr, "meshcnictl: %v\n", err)
+		}
 		var ee *exitError
 		if errors.As(err, &ee) {
 			return ee.code

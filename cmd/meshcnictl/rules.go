@@ -62,6 +62,7 @@ are written when the namespace has a global IPv6 address; DNS servers come from
 		c.Flags().StringVar(&f.backend, "backend", "auto", "auto, nftables, iptables-nft or iptables-legacy")
 		c.Flags().StringVar(&f.resolvConf, "resolv-conf", "/etc/resolv.conf", "resolv.conf whose nameservers DNS capture uses (with --redirect-dns)")
 		c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Second, "give up after this long")
+		registerIgnored(c.Flags(), rulesIgnoredBools, rulesIgnoredStrings)
 		c.RunE = func(cmd *cobra.Command, _ []string) error {
 			ctx, cancel := context.WithTimeout(cmd.Context(), f.timeout)
 			defer cancel()

@@ -35,10 +35,13 @@ const (
 	envProbeTimeout = "PROBE_TIMEOUT"
 )
 
+// ignoredBool is an istio-iptables boolean flag a command accepts and ignores.
+type ignoredBool struct{ long, short string }
+
 // ignoredBoolFlags and ignoredStringFlags are istio-iptables flags that do not change
 // what validation checks.
 var (
-	ignoredBoolFlags = []struct{ long, short string }{
+	ignoredBoolFlags = []ignoredBool{
 		{"run-validation", ""}, {"skip-rule-apply", ""}, {"dry-run", "n"},
 		{"iptables-trace-logging", ""}, {"restore-format", ""}, {"cni-mode", ""},
 		{"reconcile", ""}, {"cleanup-only", ""}, {"force-apply", ""},
@@ -101,16 +104,24 @@ func (f *validateFlags) register(fs *pflag.FlagSet, getenv func(string) string) 
 	fs.BoolVar(&f.ipv4, "ipv4", true, "validate IPv4 (127.0.0.1 / 127.0.0.6)")
 	fs.BoolVar(&f.ipv6, "ipv6", false, "validate IPv6 (::1 / ::6) too; implied by --dual-stack")
 	fs.BoolVarP(&f.verbose, "verbose", "v", false, "log every step")
-	for _, b := range ignoredBoolFlags {
+	f.ignoredBools = registerIgnored(fs, ignoredBoolFlags, ignoredStringFlags)
+}
+
+// registerIgnored adds istio-iptables flags that do not change what the command does,
+// hidden, so Istio's command lines parse unchanged.
+func registerIgnored(fs *pflag.FlagSet, bools []ignoredBool, strs []string) map[string]*bool {
+	m := map[string]*bool{}
+	for _, b := range bools {
 		p := new(bool)
-		f.ignoredBools[b.long] = p
+		m[b.long] = p
 		fs.BoolVarP(p, b.long, b.short, false, "accepted for istio-iptables compatibility; ignored")
 		_ = fs.MarkHidden(b.long)
 	}
-	for _, s := range ignoredStringFlags {
+	for _, s := range strs {
 		fs.String(s, "", "accepted for istio-iptables compatibility; ignored")
 		_ = fs.MarkHidden(s)
 	}
+	return m
 }
 
 func envOr(getenv func(string) string, name, def string) string {

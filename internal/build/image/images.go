@@ -11,7 +11,9 @@
 //	/opt/meshcni/bin/meshcni-podget    its API helper, installed next to it by the agent
 //	/tmp                         01777
 //
-// The entrypoint is /usr/local/bin/meshcni-agent. The agent has to run as root (it
+// The entrypoint is /usr/local/bin/meshcnictl, so the image stands in for Istio's
+// proxy-init image: the injector passes `istio-iptables …` as arguments (the chart
+// names the agent's and the taint controller's commands). The agent has to run as root (it
 // writes into the host's CNI directories), so the image sets no user; the other
 // commands can run as any UID (the demo runs meshcnictl validate as 1337).
 //
@@ -59,8 +61,11 @@ const (
 	PluginPath    = "/opt/meshcni/bin/meshcni"
 	// HelperCommand is the plugin's API helper, next to it.
 	HelperCommand = podget.HelperName
-	// AgentCommand is the entrypoint.
+	// AgentCommand is the node agent (the chart's DaemonSet command).
 	AgentCommand = "meshcni-agent"
+	// EntrypointCommand is the image's entrypoint: meshcnictl (istio-iptables,
+	// validate, rules, …), Istio's proxy-init image's role.
+	EntrypointCommand = "meshcnictl"
 	// Source is the source repository recorded in the labels.
 	Source = "https://github.com/meshcni/meshcni"
 )
@@ -344,7 +349,7 @@ func imageOptions(ref string, a Arch, bins map[string]string, labels map[string]
 		Ref:        ref,
 		Files:      files,
 		Dirs:       map[string]os.FileMode{"/tmp": os.ModeSticky | 0o777},
-		Entrypoint: []string{PathInImage(AgentCommand)},
+		Entrypoint: []string{PathInImage(EntrypointCommand)},
 		Env:        []string{"PATH=" + BinDir + ":" + path.Dir(PluginPath)},
 		Labels:     labels,
 		Arch:       a.GOARCH,

@@ -285,7 +285,7 @@ func TestAssembleMultiArch(t *testing.T) {
 		if cf.Architecture != want.GOARCH || cf.Variant != want.Variant || cf.OS != "linux" {
 			t.Errorf("config platform %s/%s/%s", cf.OS, cf.Architecture, cf.Variant)
 		}
-		if !slices.Equal(cf.Config.Entrypoint, []string{"/usr/local/bin/meshcni-agent"}) || cf.Config.User != "" {
+		if !slices.Equal(cf.Config.Entrypoint, []string{"/usr/local/bin/meshcnictl"}) || cf.Config.User != "" {
 			t.Errorf("entrypoint %v user %q", cf.Config.Entrypoint, cf.Config.User)
 		}
 		for k, v := range map[string]string{
