@@ -25,7 +25,8 @@ const namespace = "istio-e2e"
 // TestRealIstio: the real webhook injects a client and a server Deployment, Istio's
 // istio-validation passes on meshcni's rules, the pods go Ready through
 // pilot-agent's 15021, and client → server TCP is captured on 15001 with its
-// original destination and arrives at the server's proxy on 15006.
+// original destination and arrives at the server's proxy on 15006. meshcnictl takes
+// the injected istio-validation arguments unchanged (checkDropIn).
 func TestRealIstio(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireBinary(t, "go")
@@ -72,6 +73,9 @@ func TestRealIstio(t *testing.T) {
 		checkProxyLog(ctx, t, tb, p)
 	}
 	checkTraffic(ctx, t, tb, app)
+	if v := container(app.Server, "istio-validation"); v != nil {
+		checkDropIn(t, v.Args)
+	}
 }
 
 // allContainers lists init (native sidecars included) and app containers.
