@@ -239,8 +239,15 @@ func ensureRSSPods(ctx context.Context, cs kubernetes.Interface) (total, created
 }
 
 // lookup asks the agent, over its socket as the plugin does, for a pod of its cache.
-func lookup(ctx context.Context, a *agenttest.Agent, name string) (agentsock.PodResponse, error) {
+// lookup asks the agent for a pod as the plugin does: with its UID (kubelet's
+// K8S_POD_UID), which cs reads from the API; the agent answers a lookup without one
+// with a miss.
+func lookup(ctx context.Context, cs kubernetes.Interface, a *agenttest.Agent, name string) (agentsock.PodResponse, error) {
 	var resp agentsock.PodResponse
+	pod, err := cs.CoreV1().Pods(rssNS).Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		return resp, err
+	}
 	c, err := agentsock.Dial(a.RunDir)
 	if err != nil {
 		return resp, err
@@ -248,7 +255,7 @@ func lookup(ctx context.Context, a *agenttest.Agent, name string) (agentsock.Pod
 	defer c.Close()
 	cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	err = c.Call(cctx, agentsock.RequestPod, agentsock.PodRequest{Namespace: rssNS, Name: name}, &resp)
+	err = c.Call(cctx, agentsock.RequestPod, agentsock.PodRequest{Namespace: rssNS, Name: name, UID: string(pod.UID)}, &resp)
 	return resp, err
 }
 
@@ -264,7 +271,7 @@ type rssSample struct {
 // 15 s); it reads VmRSS and the Go heap in use, and stops the agent. cached is the
 // pod of its node the cache must hold ("" when it has none); without API access the
 // lookup must say there is no cache.
-func measureAgent(b *testing.B, o agenttest.Options, cached string) rssSample {
+func measureAgent(b *testing.B, cs kubernetes.Interface, o agenttest.Options, cached string) rssSample {
 	b.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -272,7 +279,7 @@ func measureAgent(b *testing.B, o agenttest.Options, cached string) rssSample {
 	a := agenttest.Start(b, o)
 	other := rssPodName("rss-node-00", 0)
 	for {
-		r, err := lookup(ctx, a, other)
+		r, err := lookup(ctx, cs, a, other)
 		if err == nil && !strings.Contains(r.Reason, "not synced") {
 			if r.Found {
 				b.Fatalf("the agent of node %s has pod %s of another node in its cache", o.NodeName, other)
@@ -288,7 +295,7 @@ func measureAgent(b *testing.B, o agenttest.Options, cached string) rssSample {
 		time.Sleep(20 * time.Millisecond)
 	}
 	if cached != "" {
-		if r, err := lookup(ctx, a, cached); err != nil || !r.Found {
+		if r, err := lookup(ctx, cs, a, cached); err != nil || !r.Found {
 			b.Fatalf("synced agent does not have its node's pod %s: %v %+v", cached, err, r)
 		}
 	}
@@ -369,7 +376,7 @@ func BenchmarkAgentRSS(b *testing.B) {
 				o := sc.opts
 				o.ConfDir, o.BinDir = filepath.Join(dir, fmt.Sprint(i), "net.d"), filepath.Join(dir, fmt.Sprint(i), "bin")
 				prepareDirs(b, o.ConfDir, o.BinDir)
-				s := measureAgent(b, o, sc.cached)
+				s := measureAgent(b, cs, o, sc.cached)
 				results[sc.name] = append(results[sc.name], s)
 				rss, heap = append(rss, s.rss), append(heap, s.heap)
 			}
