@@ -1,9 +1,7 @@
 package main
 
 import (
-	"os"
 	"os/exec"
-	"path/filepath"
 	"reflect"
 	"testing"
 	"time"
@@ -45,39 +43,13 @@ func TestIstioIptablesMode(t *testing.T) {
 	}
 }
 
-// meshcnictlBinary builds meshcnictl where any UID can run it.
-func meshcnictlBinary(t *testing.T) string {
-	t.Helper()
-	gobin := testutil.RequireBinary(t, "go")
-	root, err := testutil.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir, err := os.MkdirTemp("", "meshcnictl-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	if err := os.Chmod(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	bin := filepath.Join(dir, "meshcnictl")
-	cmd := exec.Command(gobin, "build", "-o", bin, "./cmd/meshcnictl")
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v: %s", err, out)
-	}
-	return bin
-}
-
 // TestIstioIptablesDropIn runs meshcnictl as Istio's proxy-init image would be run,
 // with Istio's own arguments: istio-validation (UID 1337, no capability) exits 126 in
 // a pod without the redirect; istio-init's arguments (root) apply meshcni's rules;
 // the same validation then exits 0; --cleanup-only removes them again.
 func TestIstioIptablesDropIn(t *testing.T) {
 	testutil.RequireRoot(t)
-	bin := meshcnictlBinary(t)
+	bin := traffic.Binary(t, "./cmd/meshcnictl")
 	pod := traffic.NewPod(t)
 	run := func(cred traffic.Cred, args []string) int {
 		t.Helper()

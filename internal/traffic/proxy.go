@@ -25,9 +25,9 @@ import (
 const EnvProxysim = "MESHCNI_PROXYSIM"
 
 var (
-	buildOnce sync.Once
-	buildPath string
-	buildErr  error
+	buildMu    sync.Mutex
+	buildPaths = map[string]string{} // main package → binary
+	buildDir   string
 )
 
 // ProxysimBinary returns the path of a meshcni-proxysim binary executable by any UID:
@@ -37,34 +37,57 @@ func ProxysimBinary(t testing.TB) string {
 	if p := os.Getenv(EnvProxysim); p != "" {
 		return p
 	}
+	return binary(t, "./hack/proxysim", "meshcni-proxysim")
+}
+
+// Binary returns a build of the module's main package pkg (e.g. "./cmd/meshcnictl")
+// that any UID can execute (built once per test binary, static, in a 0755 directory
+// under the temporary directory), for a test that runs it as UID 1337 in a netns.
+func Binary(t testing.TB, pkg string) string {
+	t.Helper()
+	return binary(t, pkg, filepath.Base(pkg))
+}
+
+func binary(t testing.TB, pkg, name string) string {
+	t.Helper()
 	gobin := testutil.RequireBinary(t, "go")
-	buildOnce.Do(func() { buildPath, buildErr = build(gobin) })
-	if buildErr != nil {
-		t.Fatalf("build meshcni-proxysim: %v", buildErr)
+	buildMu.Lock()
+	defer buildMu.Unlock()
+	if p, ok := buildPaths[pkg]; ok {
+		return p
 	}
-	return buildPath
+	p, err := build(gobin, pkg, name)
+	if err != nil {
+		t.Fatalf("build %s: %v", pkg, err)
+	}
+	buildPaths[pkg] = p
+	return p
 }
 
 const buildDirPrefix = "meshcni-proxysim."
 
-func build(gobin string) (string, error) {
+// build compiles pkg as name into this process's build directory (made on first use).
+func build(gobin, pkg, name string) (string, error) {
 	root, err := testutil.RepoRoot()
 	if err != nil {
 		return "", err
 	}
-	removeStaleBuilds()
-	dir := filepath.Join(os.TempDir(), buildDirPrefix+strconv.Itoa(os.Getpid()))
-	if err := os.RemoveAll(dir); err != nil {
-		return "", err
+	if buildDir == "" {
+		removeStaleBuilds()
+		dir := filepath.Join(os.TempDir(), buildDirPrefix+strconv.Itoa(os.Getpid()))
+		if err := os.RemoveAll(dir); err != nil {
+			return "", err
+		}
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			return "", err
+		}
+		if err := os.Chmod(dir, 0o755); err != nil { // umask-proof: UID 1337 must traverse it
+			return "", err
+		}
+		buildDir = dir
 	}
-	if err := os.Mkdir(dir, 0o755); err != nil {
-		return "", err
-	}
-	if err := os.Chmod(dir, 0o755); err != nil { // umask-proof: UID 1337 must traverse it
-		return "", err
-	}
-	out := filepath.Join(dir, "meshcni-proxysim")
-	cmd := exec.Command(gobin, "build", "-o", out, "./hack/proxysim")
+	out := filepath.Join(buildDir, name)
+	cmd := exec.Command(gobin, "build", "-o", out, pkg)
 	cmd.Dir = root
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if b, err := cmd.CombinedOutput(); err != nil {

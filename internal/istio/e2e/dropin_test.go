@@ -1,16 +1,11 @@
 package e2e
 
 import (
-	"context"
-	"os"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"testing"
 	"time"
 
-	"github.com/meshcni/meshcni/internal/build/ociimage"
-	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/traffic"
 	"github.com/meshcni/meshcni/pkg/validate"
 )
@@ -23,22 +18,7 @@ import (
 // rules (as istio-init would, as root), and the validation then exits 0.
 func checkDropIn(t *testing.T, injected []string) {
 	t.Helper()
-	root, err := testbed.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir, err := os.MkdirTemp("", "meshcnictl-dropin-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
-	if err := os.Chmod(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	bin := filepath.Join(dir, "meshcnictl")
-	if err := ociimage.GoBinary(context.Background(), root, "./cmd/meshcnictl", bin); err != nil {
-		t.Fatal(err)
-	}
+	bin := traffic.Binary(t, "./cmd/meshcnictl")
 	apply := slices.DeleteFunc(slices.Clone(injected), func(a string) bool {
 		return a == "--run-validation" || a == "--skip-rule-apply"
 	})
