@@ -14,8 +14,9 @@
 // Pdeathsig (tied to that waiting thread, so the child dies with the test binary) and,
 // only when asked (TPROXY), the CAP_NET_ADMIN ambient capability.
 //
-// The proxysim binary is built once per test binary with `go build` (CGO_ENABLED=0)
-// into /tmp/meshcni-proxysim.<pid>/ (0755, so UID 1337 can execute it); directories
+// The proxysim binary (and any other command a test runs as UID 1337, through
+// Binary) is built once per test binary with `go build` (CGO_ENABLED=0) into
+// /tmp/meshcni-proxysim.<pid>/ (0755, so UID 1337 can execute it); directories
 // left by dead test binaries are removed on the next build. Set MESHCNI_PROXYSIM to a
 // prebuilt binary to skip the build. Without `go` on PATH the test skips (fails under
 // CI=true).
