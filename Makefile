@@ -66,6 +66,16 @@ demo-netns: build
 clean:
 	rm -rf $(BIN)
 
+# --- Release (docs/release.md) ---
+.PHONY: release
+RELEASE_HUB ?= ghcr.io/meshcni
+RELEASE_ARCH ?= amd64,arm64
+# dist/$(VERSION)/: the multi-arch image (OCI layout archive), IMAGE (reference@digest), the
+# packaged chart (its default image is the one built), plain manifests, SHA256SUMS.
+release: helm
+	@test -n "$(VERSION)" || { echo "usage: make release VERSION=x.y.z [RELEASE_HUB=$(RELEASE_HUB)]" >&2; exit 2; }
+	$(GO) run ./hack/release --version $(VERSION) --hub $(RELEASE_HUB) --arch $(RELEASE_ARCH)
+
 # --- Helm chart (deploy/, docs/install.md) ---
 .PHONY: helm chart-lint manifests
 # Helm built from the Go module proxy (not in go.mod), cached under $(CACHE)/tools/helm-<version>.
