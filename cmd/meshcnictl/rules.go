@@ -109,7 +109,7 @@ func (f *rulesFlags) spec(cmd *cobra.Command) (*spec.Spec, error) {
 		return nil, err
 	}
 	s.EnableIPv6 = spec.IstioIPv6(s.EnableIPv6, addrs) // EnableIPv6 holds --dual-stack
-	s.EnableIPv4 = true                                 // istio-iptables always writes IPv4 rules
+	s.EnableIPv4 = true                                // istio-iptables always writes IPv4 rules
 	if s.RedirectDNS && !s.CaptureAllDNS {
 		data, err := os.ReadFile(f.resolvConf)
 		if err != nil && !os.IsNotExist(err) {
