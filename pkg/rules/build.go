@@ -223,14 +223,35 @@ func (b *builder) uncaptured() {
 
 // passGuards puts `meta nfproto f return` first in every base chain of the inet view.
 func (b *builder) passGuards(f Family) {
-	for _, rt := range b.rs.Resolve(Both) {
-		for _, c := range rt.Chains {
-			if IsBuiltin(c.Name) {
-				b.insert(rt.Name, c.Name, 1, Rule{Family: f, Scope: InetView, Uncaptured: true, Match: Match{NFProto: f}, Verdict: ret,
-					Comment: "the family's capture rules are not written: it passes, as with iptables"})
-			}
+	for _, t := range b.rs.Tables {
+		for _, c := range inetBaseChains(t, b.rs.Families) {
+			b.insert(t.Name, c, 1, Rule{Family: f, Scope: InetView, Uncaptured: true, Match: Match{NFProto: f}, Verdict: ret,
+				Comment: "the family's capture rules are not written: it passes, as with iptables"})
 		}
 	}
+}
+
+// inetBaseChains lists the base chains of t that hold a rule in the inet view (a
+// conditional jump counts when its target holds one), without resolving the view.
+func inetBaseChains(t *Table, captured Family) []string {
+	has := map[string]bool{}
+	for _, op := range t.Ops {
+		if !op.Rule.IfTargetNonEmpty && op.Rule.inView(Both, captured, true) {
+			has[op.Chain] = true
+		}
+	}
+	for _, op := range t.Ops {
+		if op.Rule.IfTargetNonEmpty && op.Rule.inView(Both, captured, true) && has[op.Rule.Verdict.Chain] {
+			has[op.Chain] = true
+		}
+	}
+	var out []string
+	for _, c := range []string{ChainPrerouting, ChainOutput} {
+		if has[c] {
+			out = append(out, c)
+		}
+	}
+	return out
 }
 
 // dropIPv6 drops uncaptured IPv6 but what must pass: lo, ICMPv6 (neighbour
