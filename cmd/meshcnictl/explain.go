@@ -29,6 +29,7 @@ type explainFlags struct {
 	excludeNamespaces []string
 	agentNamespace    string
 	agentLabel        string
+	ipv6Mode          string
 	podIPs            []string
 	timeout           time.Duration
 }
@@ -44,8 +45,11 @@ from the API server (-n NAMESPACE POD or NAMESPACE/POD; --kubeconfig, default
 $KUBECONFIG, then the in-cluster service account), and prints the decision, its
 reason, the spec and the rules (iptables-restore form) the plugin would write.
 
-IP families: from --pod-ip (as the plugin takes them from the CNI prevResult), else
-the pod's status.podIPs, else IPv4 (plus IPv6 with ISTIO_DUAL_STACK on istio-proxy).`,
+IP families: the pod's addresses are --pod-ip (as the plugin takes them from the CNI
+prevResult), else the pod's status.podIPs; IPv6 is captured as Istio decides (with
+ISTIO_DUAL_STACK on istio-proxy when the pod has an IPv6 address, without it only
+in an IPv6-only pod), or as the pod's meshcni.io/ipv6 (else --ipv6-mode, the
+plugin's ipv6 key) says.`,
 		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx, cancel := context.WithTimeout(cmd.Context(), f.timeout)
@@ -125,7 +129,12 @@ func (f *explainFlags) plan(pod *corev1.Pod) (podPlan, error) {
 	if err != nil {
 		return podPlan{}, fmt.Errorf("--agent-pod-label: %w", err)
 	}
-	p := podPlan{Decision: podspec.Decide(corepod.From(pod), podspec.Config{ExcludeNamespaces: f.excludeNamespaces, AgentNamespace: f.agentNamespace, AgentLabel: label})}
+	mode, err := spec.ParseIPv6Mode("--ipv6-mode", f.ipv6Mode)
+	if err != nil {
+		return podPlan{}, err
+	}
+	cfg := podspec.Config{ExcludeNamespaces: f.excludeNamespaces, AgentNamespace: f.agentNamespace, AgentLabel: label, IPv6: mode}
+	p := podPlan{Decision: podspec.Decide(corepod.From(pod), cfg)}
 	if !p.Decision.Meshed {
 		return p, nil
 	}
@@ -133,7 +142,7 @@ func (f *explainFlags) plan(pod *corev1.Pod) (podPlan, error) {
 	if err != nil {
 		return p, err
 	}
-	res, err := podspec.ForPod(corepod.From(pod), addrs)
+	res, err := cfg.ForPod(corepod.From(pod), addrs)
 	if err != nil {
 		return p, fmt.Errorf("the plugin would fail ADD (no rule applied): %w", err)
 	}
@@ -209,8 +218,20 @@ func printSpec(out io.Writer, s *spec.Spec) {
 	fmt.Fprintf(out, "inbound:  capture %s, exclude %s\n", set(s.InboundPorts), ports(s.InboundPortsExclude))
 	fmt.Fprintf(out, "outbound: capture %s, exclude %s; ports include %s, exclude %s\n",
 		prefixes(s.OutboundIPRanges.All, s.OutboundIPRanges.Prefixes), prefixes(false, s.OutboundIPRangesExclude), ports(s.OutboundPorts), ports(s.OutboundPortsExclude))
-	fmt.Fprintf(out, "families: ipv4 %v, ipv6 %v; dns capture %v (all %v); drop invalid %v\n", s.EnableIPv4, s.EnableIPv6, s.RedirectDNS, s.CaptureAllDNS, s.DropInvalid)
+	fmt.Fprintf(out, "families: ipv4 %v, ipv6 %v (ipv6 mode %s%s); dns capture %v (all %v); drop invalid %v\n",
+		s.EnableIPv4, s.IPv6Captured(), s.IPv6, uncapturedIPv6(s), s.RedirectDNS, s.CaptureAllDNS, s.DropInvalid)
 	if len(s.ExcludeInterfaces)+len(s.RerouteInterfaces) > 0 {
 		fmt.Fprintf(out, "ifaces:   exclude %v, reroute %v\n", s.ExcludeInterfaces, s.RerouteInterfaces)
 	}
+}
+
+// uncapturedIPv6 says what happens to IPv6 the spec does not capture.
+func uncapturedIPv6(s *spec.Spec) string {
+	switch {
+	case s.IPv6Captured():
+		return ""
+	case s.IPv6 == spec.IPv6Drop:
+		return ": IPv6 dropped but lo, ICMPv6, the proxy's own and established flows"
+	}
+	return ": IPv6 passes uncaptured"
 }

@@ -27,6 +27,9 @@ status:
   podIPs: [{ip: 10.0.0.5}, {ip: "fd00::5"}]
 `
 
+// dualStackPodYAML is meshedPodYAML with ISTIO_DUAL_STACK=true on istio-proxy.
+var dualStackPodYAML = strings.Replace(meshedPodYAML, "    args: [proxy, sidecar]\n", "    args: [proxy, sidecar]\n    env: [{name: ISTIO_DUAL_STACK, value: \"true\"}]\n", 1)
+
 func runExplain(t *testing.T, manifest string, extra ...string) (string, error) {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "pod.yaml")
@@ -46,10 +49,13 @@ func TestExplain(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"decision: redirected", "exclude 5432", "ipv4 true, ipv6 true", "-A ISTIO_OUTPUT", "# ip6tables-restore"} {
+	for _, want := range []string{"decision: redirected", "exclude 5432", "ipv4 true, ipv6 false (ipv6 mode istio: IPv6 passes uncaptured)", "-A ISTIO_OUTPUT", "# IPv6: no rule"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}
+	}
+	if strings.Contains(out, "# ip6tables-restore") {
+		t.Errorf("dual-stack pod, single-stack proxy: IPv6 rules:\n%s", out)
 	}
 	out, err = runExplain(t, meshedPodYAML, "--exclude-namespaces", "app")
 	if err != nil || !strings.Contains(out, "decision: not redirected") || !strings.Contains(out, "namespace app is excluded") {
@@ -122,9 +128,17 @@ func TestExplainFamilies(t *testing.T) {
 		extra          []string
 		want, wantErr  string
 	}{
-		{"podIPs", meshedPodYAML, nil, "ipv4 true, ipv6 true", ""},
+		{"podIPs, single-stack proxy", meshedPodYAML, nil, "ipv4 true, ipv6 false (ipv6 mode istio", ""},
+		{"podIPs, ISTIO_DUAL_STACK", dualStackPodYAML, nil, "ipv4 true, ipv6 true (ipv6 mode istio)", ""},
+		{"--ipv6-mode capture", meshedPodYAML, []string{"--ipv6-mode", "capture"}, "ipv4 true, ipv6 true (ipv6 mode capture)", ""},
+		{"--ipv6-mode drop", meshedPodYAML, []string{"--ipv6-mode", "drop"}, "ipv6 false (ipv6 mode drop: IPv6 dropped", ""},
+		{"annotation wins over --ipv6-mode", strings.Replace(meshedPodYAML, "    sidecar.istio.io/status: '{}'\n", "    sidecar.istio.io/status: '{}'\n    meshcni.io/ipv6: capture\n", 1),
+			[]string{"--ipv6-mode", "drop"}, "ipv6 true (ipv6 mode capture)", ""},
+		{"bad --ipv6-mode", meshedPodYAML, []string{"--ipv6-mode", "pass"}, "", `invalid --ipv6-mode "pass": want istio, capture or drop`},
+		{"bad annotation", strings.Replace(meshedPodYAML, "    sidecar.istio.io/status: '{}'\n", "    sidecar.istio.io/status: '{}'\n    meshcni.io/ipv6: pass\n", 1),
+			nil, "", `invalid meshcni.io/ipv6 "pass": want istio, capture or drop`},
 		{"podIP only", v6only, nil, "ipv4 false, ipv6 true", ""},
-		{"--pod-ip wins", meshedPodYAML, []string{"--pod-ip", "10.0.0.5"}, "ipv4 true, ipv6 false", ""},
+		{"--pod-ip wins", dualStackPodYAML, []string{"--pod-ip", "10.0.0.5"}, "ipv4 true, ipv6 false", ""},
 		{"--pod-ip wins over a bad status", badStatus, []string{"--pod-ip", "fd00::5"}, "ipv4 false, ipv6 true", ""},
 		{"bad --pod-ip", meshedPodYAML, []string{"--pod-ip", "10.0.0.x"}, "", `--pod-ip "10.0.0.x": not an IP address`},
 		{"bad status IP", badStatus, nil, "", `bad IP "10.0.0.500" in status`},

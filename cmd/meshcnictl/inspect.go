@@ -92,7 +92,7 @@ that is not meshed; 2 on usage errors and when the pod or its netns cannot be fo
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx, cancel := context.WithTimeout(cmd.Context(), f.timeout)
 			defer cancel()
-			f.pluginFlags = cmd.Flags().Changed("exclude-namespaces") || cmd.Flags().Changed("agent-pod-label")
+			f.pluginFlags = cmd.Flags().Changed("exclude-namespaces") || cmd.Flags().Changed("agent-pod-label") || cmd.Flags().Changed("ipv6-mode")
 			return runInspect(ctx, cmd.OutOrStdout(), f, args)
 		},
 	}
@@ -115,6 +115,7 @@ func (f *explainFlags) registerPodFlags(fl *pflag.FlagSet) {
 	fl.StringSliceVar(&f.excludeNamespaces, "exclude-namespaces", nil, "the plugin's exclude_namespaces")
 	fl.StringVar(&f.agentNamespace, "agent-pod-namespace", "", "the plugin's agent_pod_namespace (the agent's namespace; empty: no pod is exempt by label)")
 	fl.StringVar(&f.agentLabel, "agent-pod-label", podspec.DefaultAgentLabel, "the plugin's agent_pod_label")
+	fl.StringVar(&f.ipv6Mode, "ipv6-mode", string(spec.IPv6Istio), "the plugin's ipv6 key: istio, capture or drop (a pod's meshcni.io/ipv6 wins)")
 	fl.DurationVar(&f.timeout, "timeout", 20*time.Second, "give up after this long")
 }
 
@@ -204,6 +205,7 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 			switch {
 			case err == nil:
 				f.excludeNamespaces, f.agentNamespace, f.agentLabel, r.PluginConfig = cfg.ExcludeNamespaces, cfg.AgentNamespace, cfg.AgentLabel.String(), file
+				f.ipv6Mode = string(cfg.IPv6)
 			case errors.Is(err, errNoEntry), errors.Is(err, fs.ErrNotExist):
 				// Not installed here (or another conf dir): the flags' defaults decide.
 			default:

@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"time"
 
@@ -28,6 +29,7 @@ type rulesFlags struct {
 	netns      string
 	backend    string
 	resolvConf string
+	ipv6Mode   string
 	timeout    time.Duration
 }
 
@@ -41,8 +43,12 @@ func newRulesCmd() *cobra.Command {
 ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR), plus --netns and --backend.
 
 Without --netns they act on the current network namespace, so meshcnictl can serve
-as an init container in place of istio-iptables. Without --dual-stack, IPv6 rules
-are written when the namespace has a global IPv6 address; DNS servers come from
+as an init container in place of istio-iptables. IPv6 rules are written as
+istio-iptables decides from the namespace's addresses: with --dual-stack
+(ISTIO_DUAL_STACK) when it has a global IPv6 address, without it only when it has
+no global IPv4 address but an IPv6 one. --ipv6-mode says what happens to IPv6
+otherwise (istio: it passes; drop: it is dropped but lo, ICMPv6, the proxy's own
+and established traffic) or captures it always (capture). DNS servers come from
 --resolv-conf, as istio-iptables reads them.`,
 	}
 	for _, sub := range []struct {
@@ -61,6 +67,7 @@ are written when the namespace has a global IPv6 address; DNS servers come from
 		c.Flags().StringVar(&f.netns, "netns", "", "network namespace path (e.g. /var/run/netns/NAME or /proc/PID/ns/net); default: the current one")
 		c.Flags().StringVar(&f.backend, "backend", "auto", "auto, nftables, iptables-nft or iptables-legacy")
 		c.Flags().StringVar(&f.resolvConf, "resolv-conf", "/etc/resolv.conf", "resolv.conf whose nameservers DNS capture uses (with --redirect-dns)")
+		c.Flags().StringVar(&f.ipv6Mode, "ipv6-mode", string(spec.IPv6Istio), "istio (IPv6 captured when istio-iptables writes IPv6 rules, else it passes), capture (always) or drop (dropped where istio would let it pass)")
 		c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Second, "give up after this long")
 		registerIgnored(c.Flags(), rulesIgnoredBools, rulesIgnoredStrings)
 		c.RunE = func(cmd *cobra.Command, _ []string) error {
@@ -94,13 +101,15 @@ func (f *rulesFlags) spec(cmd *cobra.Command) (*spec.Spec, error) {
 	if err != nil {
 		return nil, err
 	}
-	if !cmd.Flags().Changed("dual-stack") && os.Getenv("ISTIO_DUAL_STACK") == "" {
-		v6, err := hasGlobalIPv6(f.netns)
-		if err != nil {
-			return nil, err
-		}
-		s.EnableIPv6 = v6
+	if s.IPv6, err = spec.ParseIPv6Mode("--ipv6-mode", f.ipv6Mode); err != nil {
+		return nil, err
 	}
+	addrs, err := netnsAddrs(f.netns)
+	if err != nil {
+		return nil, err
+	}
+	s.EnableIPv6 = spec.IstioIPv6(s.EnableIPv6, addrs) // EnableIPv6 holds --dual-stack
+	s.EnableIPv4 = true                                // istio-iptables always writes IPv4 rules
 	if s.RedirectDNS && !s.CaptureAllDNS {
 		data, err := os.ReadFile(f.resolvConf)
 		if err != nil && !os.IsNotExist(err) {
@@ -114,21 +123,24 @@ func (f *rulesFlags) spec(cmd *cobra.Command) (*spec.Spec, error) {
 	return s, s.Validate()
 }
 
-func hasGlobalIPv6(netns string) (bool, error) {
-	found := false
+// netnsAddrs lists the namespace's interface addresses, as istio-iptables reads them.
+func netnsAddrs(netns string) ([]netip.Addr, error) {
+	var out []netip.Addr
 	err := netnsutil.Do(netns, func() error {
 		addrs, err := net.InterfaceAddrs()
 		if err != nil {
 			return fmt.Errorf("list addresses: %w", err)
 		}
 		for _, a := range addrs {
-			if ipn, ok := a.(*net.IPNet); ok && ipn.IP.To4() == nil && ipn.IP.IsGlobalUnicast() {
-				found = true
+			if ipn, ok := a.(*net.IPNet); ok {
+				if ip, ok := netip.AddrFromSlice(ipn.IP); ok {
+					out = append(out, ip.Unmap())
+				}
 			}
 		}
 		return nil
 	})
-	return found, err
+	return out, err
 }
 
 func runRender(_ context.Context, cmd *cobra.Command, _ *rulesFlags, s *spec.Spec) error {
@@ -136,17 +148,20 @@ func runRender(_ context.Context, cmd *cobra.Command, _ *rulesFlags, s *spec.Spe
 	return nil
 }
 
-// printRules writes the ruleset as iptables-restore input per enabled family, and
-// the TPROXY policy routing, for render and explain.
+// printRules writes the ruleset as iptables-restore input per family that has
+// rules, and the TPROXY policy routing, for render and explain.
 func printRules(out io.Writer, rs *rules.Ruleset) {
 	for _, f := range []struct {
 		family rules.Family
 		title  string
 	}{{rules.V4, "# iptables-restore --noflush input, IPv4"}, {rules.V6, "# ip6tables-restore --noflush input, IPv6"}} {
-		if rs.Families.Has(f.family) {
+		if in := ipt.Restore(rs, f.family); in != "" {
 			fmt.Fprintln(out, f.title)
-			fmt.Fprint(out, ipt.Restore(rs, f.family))
+			fmt.Fprint(out, in)
 		}
+	}
+	if !rs.Families.Has(rules.V6) && ipt.Restore(rs, rules.V6) == "" {
+		fmt.Fprintln(out, "# IPv6: no rule, IPv6 passes uncaptured (native nftables: `meta nfproto ipv6 return` first in each base chain)")
 	}
 	if rs.Route != nil {
 		fmt.Fprintf(out, "# policy routing: ip rule add fwmark %d lookup %d; ip route add local default dev lo table %d\n", rs.Route.Mark, rs.Route.Table, rs.Route.Table)

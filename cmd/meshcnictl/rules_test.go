@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/traffic"
 )
 
 // TestRulesBadInput: malformed values exit non-zero with a message naming the
@@ -34,6 +35,7 @@ func TestRulesBadInput(t *testing.T) {
 		{[]string{"-m", "MAGIC"}, "--istio-inbound-interception-mode", "MAGIC"},
 		{[]string{"-r", "255"}, "--istio-inbound-tproxy-route-table", "255"},
 		{[]string{"--backend", "ebpf"}, "backend", "ebpf"},
+		{[]string{"--ipv6-mode", "pass"}, "--ipv6-mode", "pass"},
 	}
 	before := nftList(t, nft, ns)
 	for _, c := range cases {
@@ -54,6 +56,52 @@ func TestRulesBadInput(t *testing.T) {
 	}
 	if after := nftList(t, nft, ns); after != before {
 		t.Fatalf("bad input changed the namespace:\n%s", after)
+	}
+}
+
+// TestRulesIPv6: render writes IPv6 rules as istio-iptables decides from the
+// namespace's addresses and --dual-stack, and as --ipv6-mode says.
+func TestRulesIPv6(t *testing.T) {
+	testutil.RequireRoot(t)
+	dual := traffic.NewPod(t).NetNS // 10.250.0.2/24 and fd00:250::2/64
+	loOnly := testutil.NewNetns(t)  // no global address
+	for _, tc := range []struct {
+		name     string
+		netns    string
+		args     []string
+		want     []string
+		wantNone []string
+	}{
+		{"dual-stack namespace, single-stack proxy", dual, nil, []string{"# IPv6: no rule"}, []string{"# ip6tables-restore"}},
+		{"dual-stack namespace, --dual-stack", dual, []string{"--dual-stack"}, []string{"# ip6tables-restore", "-A ISTIO_OUTPUT -j ISTIO_REDIRECT"}, []string{"ISTIO_IPV6_DROP"}},
+		{"no IPv6 address, --dual-stack", loOnly, []string{"--dual-stack"}, []string{"# IPv6: no rule"}, []string{"# ip6tables-restore"}},
+		{"--ipv6-mode capture", dual, []string{"--ipv6-mode", "capture"}, []string{"# ip6tables-restore", "-A ISTIO_OUTPUT -j ISTIO_REDIRECT"}, nil},
+		{"--ipv6-mode drop", dual, []string{"--ipv6-mode", "drop"}, []string{"# ip6tables-restore", "-A ISTIO_IPV6_DROP_OUT -j DROP"}, []string{"# IPv6: no rule"}},
+		{"--ipv6-mode drop, --dual-stack captures", dual, []string{"--ipv6-mode", "drop", "--dual-stack"}, []string{"-A ISTIO_OUTPUT -j ISTIO_REDIRECT"}, []string{"ISTIO_IPV6_DROP"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var out bytes.Buffer
+			root := newRoot()
+			root.SetOut(&out)
+			root.SetArgs(append([]string{"rules", "render", "--netns", tc.netns, "-b", "*", "-i", "*"}, tc.args...))
+			if err := root.Execute(); err != nil {
+				t.Fatal(err)
+			}
+			v6 := out.String()
+			if i := strings.Index(v6, "# ip6tables-restore"); i >= 0 {
+				v6 = v6[i:]
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(v6, w) {
+					t.Errorf("output lacks %q:\n%s", w, out.String())
+				}
+			}
+			for _, w := range tc.wantNone {
+				if strings.Contains(v6, w) {
+					t.Errorf("output holds %q:\n%s", w, out.String())
+				}
+			}
+		})
 	}
 }
 

@@ -93,5 +93,12 @@ func All() []Fixture {
 			s.DNSServersV6 = addrs("fd00::a")
 		})},
 		{"drop-invalid", "conntrack-invalid packets dropped", pod(func(s *spec.Spec) { s.DropInvalid = true })},
+		{"pod-ipv6-capture", "IPv6 mode capture: Istio's IPv6 rules although Istio would write none", pod(func(s *spec.Spec) { s.IPv6 = spec.IPv6Capture })},
+		{"pod-ipv6-drop", "IPv6 mode drop: IPv6 not captured is dropped but lo, ICMPv6, the proxy's own and established flows", pod(func(s *spec.Spec) { s.IPv6 = spec.IPv6Drop })},
+		{"tproxy-dns-ipv6-drop", "IPv6 mode drop with TPROXY, all DNS captured and conntrack-invalid dropped (every base chain)", pod(func(s *spec.Spec) {
+			s.Mode, s.IPv6, s.DropInvalid = spec.ModeTProxy, spec.IPv6Drop, true
+			s.RedirectDNS, s.CaptureAllDNS = true, true
+		})},
+		{"pod-ipv6-drop-dual", "IPv6 mode drop for a pod whose IPv6 Istio captures: nothing dropped", pod(func(s *spec.Spec) { s.IPv6, s.EnableIPv6 = spec.IPv6Drop, true })},
 	}
 }

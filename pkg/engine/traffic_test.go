@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/netip"
 	"testing"
+	"time"
 
 	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/testutil"
@@ -33,6 +34,7 @@ const (
 	toOutbound want = iota // the proxy's outbound listener, original destination intact
 	toInbound              // the proxy's inbound listener, original destination intact
 	toApp                  // the app itself (not captured)
+	fails                  // nothing answers: the connection is dropped
 )
 
 type probe struct {
@@ -52,6 +54,38 @@ var (
 	pod4x  = netip.AddrPortFrom(traffic.PodIPv4, 15021) // excluded inbound by default
 	peer4b = netip.AddrPortFrom(traffic.PeerIPv4, 8081)
 )
+
+// run dials p.dst from the pod or its peer and checks what answered.
+func (p probe) run(t *testing.T, pod *traffic.Pod) {
+	t.Helper()
+	from := pod.NetNS
+	if p.from == "peer" {
+		from = pod.PeerNetNS
+	}
+	opts := traffic.DialOptions{Cred: p.cred, Source: p.source}
+	if p.want == fails {
+		opts.Timeout = time.Second // a dropped SYN: the client gives up after this
+	}
+	a := traffic.Dial(t, from, p.dst, opts)
+	switch p.want {
+	case toOutbound, toInbound:
+		l := proxysim.ListenerOutbound
+		if p.want == toInbound {
+			l = proxysim.ListenerInbound
+		}
+		if a.Listener() != l || a.OrigDst() != p.dst {
+			t.Errorf("%s: want %s listener with original destination %v, got listener %q orig %v (%+v)", p.name, l, p.dst, a.Listener(), a.OrigDst(), a.ProbeResult)
+		}
+	case toApp:
+		if a.App == nil {
+			t.Errorf("%s: want the app itself, got listener %q (%+v)", p.name, a.Listener(), a.ProbeResult)
+		}
+	case fails:
+		if a.App != nil || a.Proxy != nil || a.Error == "" {
+			t.Errorf("%s: want the connection to fail, got listener %q app %+v (%+v)", p.name, a.Listener(), a.App, a.ProbeResult)
+		}
+	}
+}
 
 // TestRedirectTraffic proves the engine's rules with real packets in real
 // namespaces: a "pod" netns joined by veth to a peer, the stand-in proxy running
@@ -127,25 +161,7 @@ func TestRedirectTraffic(t *testing.T) {
 					t.Fatalf("applied with %s, want %s", used, kind)
 				}
 				for _, p := range tc.probes {
-					from := pod.NetNS
-					if p.from == "peer" {
-						from = pod.PeerNetNS
-					}
-					a := traffic.Dial(t, from, p.dst, traffic.DialOptions{Cred: p.cred, Source: p.source})
-					switch p.want {
-					case toOutbound, toInbound:
-						l := proxysim.ListenerOutbound
-						if p.want == toInbound {
-							l = proxysim.ListenerInbound
-						}
-						if a.Listener() != l || a.OrigDst() != p.dst {
-							t.Errorf("%s: want %s listener with original destination %v, got listener %q orig %v (%+v)", p.name, l, p.dst, a.Listener(), a.OrigDst(), a.ProbeResult)
-						}
-					case toApp:
-						if a.App == nil {
-							t.Errorf("%s: want the app itself, got listener %q (%+v)", p.name, a.Listener(), a.ProbeResult)
-						}
-					}
+					p.run(t, pod)
 				}
 				d, err := engine.Check(context.Background(), engine.Options{Backend: kind, NetnsPath: pod.NetNS}, tc.spec)
 				if err != nil || !d.Empty() {

@@ -17,6 +17,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/spec"
 )
 
 // KubeconfigName is the kubeconfig the agent writes into cni_agent_run_dir.
@@ -40,6 +41,7 @@ type rawConfig struct {
 	NativeNftables *bool           `json:"native_nftables"`
 	APITimeout     json.RawMessage `json:"api_timeout"`
 	AgentPodLabel  string          `json:"agent_pod_label"`
+	IPv6           string          `json:"ipv6"`
 
 	// types.PluginConf's fields but the prevResult, kept raw: only ADD and CHECK
 	// decode it (DEL, STATUS and GC neither need it nor fail on it).
@@ -61,11 +63,12 @@ type Config struct {
 	APITimeout        time.Duration
 	AgentNamespace    string // "": no pod is exempt by the agent label
 	AgentLabel        podspec.Label
+	IPv6              spec.IPv6Mode // the node's IPv6 mode; a pod's meshcni.io/ipv6 wins
 }
 
 // PodspecConfig is the decision's view of the configuration.
 func (c *Config) PodspecConfig() podspec.Config {
-	return podspec.Config{ExcludeNamespaces: c.ExcludeNamespaces, AgentNamespace: c.AgentNamespace, AgentLabel: c.AgentLabel}
+	return podspec.Config{ExcludeNamespaces: c.ExcludeNamespaces, AgentNamespace: c.AgentNamespace, AgentLabel: c.AgentLabel, IPv6: c.IPv6}
 }
 
 func badField(field string, value any, reason string) *types.Error {
@@ -165,6 +168,13 @@ func parseConfig(stdin []byte, withPrev bool) (*Config, error) {
 	if raw.AgentPodLabel != "" {
 		if c.AgentLabel, err = podspec.ParseLabel(raw.AgentPodLabel); err != nil {
 			return nil, badField("agent_pod_label", strconv.Quote(raw.AgentPodLabel), err.Error())
+		}
+	}
+
+	c.IPv6 = spec.IPv6Istio
+	if raw.IPv6 != "" {
+		if c.IPv6, err = spec.ParseIPv6Mode("ipv6", raw.IPv6); err != nil {
+			return nil, badField("ipv6", strconv.Quote(raw.IPv6), "want istio, capture or drop")
 		}
 	}
 

@@ -40,7 +40,7 @@ func absClean(p string) bool { return filepath.IsAbs(p) && filepath.Clean(p) == 
 func FuzzParseConfig(f *testing.F) {
 	for _, s := range []string{
 		`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"meshcni","cni_agent_run_dir":"/var/run/meshcni"}`,
-		`{"cniVersion":"1.0.0","name":"n","type":"meshcni","cni_agent_run_dir":"/run/meshcni/../x//","exclude_namespaces":["kube-system","kube-system"],"kubernetes":{"kubeconfig":"/etc/cni/net.d/meshcni-kubeconfig","exclude_namespaces":["istio-system"]},"backend":"iptables","api_timeout":"5s","plugin_log_level":"DEBUG","agent_pod_namespace":"meshcni-system","agent_pod_label":"k8s-app=agent"}`,
+		`{"cniVersion":"1.0.0","name":"n","type":"meshcni","cni_agent_run_dir":"/run/meshcni/../x//","exclude_namespaces":["kube-system","kube-system"],"kubernetes":{"kubeconfig":"/etc/cni/net.d/meshcni-kubeconfig","exclude_namespaces":["istio-system"]},"backend":"iptables","api_timeout":"5s","plugin_log_level":"DEBUG","agent_pod_namespace":"meshcni-system","agent_pod_label":"k8s-app=agent","ipv6":"Drop"}`,
 		`{"cniVersion":"1.0.0","type":"meshcni","cni_agent_run_dir":"/r","native_nftables":true,"backend":"auto","api_timeout":2.5}`,
 		`{"cniVersion":"1.0.0","type":"meshcni","cni_agent_run_dir":"/r","prevResult":` + prevResult100 + `}`,
 		`{"cniVersion":"0.3.1","type":"meshcni","cni_agent_run_dir":"/r","prevResult":{"cniVersion":"0.3.1","ips":[{"version":"4","address":"10.0.0.5/24"}]}}`,
@@ -88,6 +88,9 @@ func FuzzParseConfig(f *testing.F) {
 		case backend.Auto, backend.Nftables, backend.IptablesNft, backend.IptablesLegacy:
 		default:
 			t.Fatalf("backend %q", c.Backend)
+		}
+		if !c.IPv6.Valid() {
+			t.Fatalf("ipv6 %q", c.IPv6)
 		}
 		if c.APITimeout <= 0 || c.APITimeout > MaxAPITimeout {
 			t.Fatalf("api_timeout %v", c.APITimeout)

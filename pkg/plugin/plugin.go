@@ -263,7 +263,7 @@ func (p *Plugin) add(inv *invocation, prev *current.Result) error {
 			inv.namespace, inv.name, inv.args.Netns, err), "")
 	}
 	inv.log.Info("pod meshed: redirect applied", "reason", d.Reason, "backend", k, "mode", s.Mode,
-		"ipv4", s.EnableIPv4, "ipv6", s.EnableIPv6, "duration", time.Since(inv.start))
+		"ipv4", s.EnableIPv4, "ipv6", s.IPv6Captured(), "ipv6Mode", s.IPv6, "duration", time.Since(inv.start))
 	return nil
 }
 
@@ -280,7 +280,7 @@ func (inv *invocation) engineOptions() engine.Options {
 
 // podSpec derives the spec and sets its families from the prevResult's addresses.
 func (inv *invocation) podSpec(pod *podspec.Pod, prev *current.Result) (*spec.Spec, error) {
-	res, err := podspec.Build(pod)
+	res, err := inv.cfg.PodspecConfig().Build(pod)
 	if err != nil {
 		return nil, types.NewError(types.ErrInvalidNetworkConfig, fmt.Sprintf(
 			"pod %s/%s: %v; fix the annotation and recreate the pod (no redirect rule was applied)",

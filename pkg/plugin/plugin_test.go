@@ -24,6 +24,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/kubeapi"
 	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -184,7 +185,9 @@ func TestAddMeshedAppliesAndPassesResultThrough(t *testing.T) {
 				t.Fatalf("applied %d times", len(h.eng.applied))
 			}
 			s := h.eng.applied[0]
-			if !s.EnableIPv4 || !s.EnableIPv6 || len(s.OutboundPortsExclude) != 1 || s.OutboundPortsExclude[0] != 9999 {
+			// A dual-stack prevResult, a proxy without ISTIO_DUAL_STACK: IPv4 rules only,
+			// as Istio decides (TestAddIPv6 covers the rest).
+			if !s.EnableIPv4 || s.EnableIPv6 || s.IPv6 != spec.IPv6Istio || len(s.OutboundPortsExclude) != 1 || s.OutboundPortsExclude[0] != 9999 {
 				t.Fatalf("spec %+v", s)
 			}
 			if h.eng.opts[0].NetnsPath != "/var/run/netns/none" || h.eng.opts[0].Backend != backend.Auto {
@@ -279,6 +282,10 @@ func TestAddFailures(t *testing.T) {
 			h.api.AddPod(meshed("app", "web", map[string]string{podspec.AnnotationIncludeInboundPorts: "80,http"}))
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
 		}, types.ErrInvalidNetworkConfig, []string{`traffic.sidecar.istio.io/includeInboundPorts "80,http"`, "no redirect rule was applied"}},
+		{"bad IPv6 mode annotation", func(h *harness) *skel.CmdArgs {
+			h.api.AddPod(meshed("app", "web", map[string]string{podspec.AnnotationIPv6: "pass"}))
+			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
+		}, types.ErrInvalidNetworkConfig, []string{`invalid meshcni.io/ipv6 "pass": want istio, capture or drop`, "no redirect rule was applied"}},
 		{"missing prevResult", func(h *harness) *skel.CmdArgs {
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, "", nil))
 		}, types.ErrInvalidNetworkConfig, []string{"chained plugin", "no prevResult"}},
@@ -312,6 +319,52 @@ func TestAddFailures(t *testing.T) {
 			}
 			if h.stdout.Len() != 0 {
 				t.Errorf("stdout holds %q on failure", h.stdout)
+			}
+		})
+	}
+}
+
+// TestAddIPv6: the spec ADD applies for a dual-stack pod (prevResult100): IPv6 rules
+// as Istio decides from the proxy's ISTIO_DUAL_STACK, and the IPv6 mode from the
+// pod's meshcni.io/ipv6, else the plugin's ipv6 key, else istio.
+func TestAddIPv6(t *testing.T) {
+	dual := func(p *corev1.Pod) *corev1.Pod {
+		p.Spec.Containers[1].Env = []corev1.EnvVar{{Name: podspec.EnvDualStack, Value: "true"}}
+		return p
+	}
+	for _, tt := range []struct {
+		name        string
+		pod         *corev1.Pod
+		key         any // the plugin's ipv6 key; nil: absent
+		captured    bool
+		enable      bool
+		mode        spec.IPv6Mode
+		ipv6Written bool
+	}{
+		{"single-stack proxy", meshed("app", "web", nil), nil, false, false, spec.IPv6Istio, false},
+		{"dual-stack proxy", dual(meshed("app", "web", nil)), nil, true, true, spec.IPv6Istio, true},
+		{"plugin key capture", meshed("app", "web", nil), "capture", true, false, spec.IPv6Capture, true},
+		{"plugin key drop", meshed("app", "web", nil), "drop", false, false, spec.IPv6Drop, true},
+		{"annotation wins over the key", meshed("app", "web", map[string]string{podspec.AnnotationIPv6: "istio"}), "drop", false, false, spec.IPv6Istio, false},
+		{"annotation capture", meshed("app", "web", map[string]string{podspec.AnnotationIPv6: "capture"}), nil, true, false, spec.IPv6Capture, true},
+		{"drop with a dual-stack proxy captures", dual(meshed("app", "web", map[string]string{podspec.AnnotationIPv6: "drop"})), nil, true, true, spec.IPv6Drop, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := newHarness(t)
+			h.api.AddPod(tt.pod)
+			extra := map[string]any{}
+			if tt.key != nil {
+				extra["ipv6"] = tt.key
+			}
+			if err := h.p.Add(cmdArgs("app", "web", "uid-web", conf(t, "1.0.0", h.runDir, prevResult100, extra))); err != nil {
+				t.Fatal(err)
+			}
+			s := h.eng.applied[0]
+			if !s.EnableIPv4 || s.EnableIPv6 != tt.enable || s.IPv6 != tt.mode || s.IPv6Captured() != tt.captured {
+				t.Fatalf("EnableIPv4 %v EnableIPv6 %v IPv6 %q captured %v; want true %v %q %v", s.EnableIPv4, s.EnableIPv6, s.IPv6, s.IPv6Captured(), tt.enable, tt.mode, tt.captured)
+			}
+			if got := len(rules.Build(s).Resolve(rules.V6)) > 0; got != tt.ipv6Written {
+				t.Errorf("ip6tables rules written: %v, want %v", got, tt.ipv6Written)
 			}
 		})
 	}
@@ -486,6 +539,15 @@ func TestParseConfig(t *testing.T) {
 	if c.Kubeconfig != "/run/meshcni/meshcni-kubeconfig" || c.Backend != backend.Auto || c.APITimeout != DefaultAPITimeout {
 		t.Fatalf("%+v", c)
 	}
+	if c.IPv6 != spec.IPv6Istio {
+		t.Errorf("ipv6 default %q, want istio", c.IPv6)
+	}
+	for _, m := range []struct{ in, want string }{{"istio", "istio"}, {"capture", "capture"}, {"Drop", "drop"}} {
+		c, err := ParseConfig(base(`,"ipv6":"` + m.in + `"`))
+		if err != nil || string(c.IPv6) != m.want || c.PodspecConfig().IPv6 != spec.IPv6Mode(m.want) {
+			t.Errorf("ipv6 %s: %v %v", m.in, c, err)
+		}
+	}
 	for _, b := range []struct{ in, want string }{{"iptables-legacy", "iptables-legacy"}, {"iptables-nft", "iptables-nft"}, {"iptables", "iptables-nft"}, {"nftables", "nftables"}, {"auto", "auto"}} {
 		c, err := ParseConfig(base(`,"backend":"` + b.in + `"`))
 		if err != nil || string(c.Backend) != b.want {
@@ -507,6 +569,8 @@ func TestParseConfig(t *testing.T) {
 		{base(`,"exclude_namespaces":["Bad_NS"]`), types.ErrInvalidNetworkConfig, `exclude_namespaces "Bad_NS"`},
 		{base(`,"type":"istio-cni"`), types.ErrInvalidNetworkConfig, `type "istio-cni"`},
 		{base(`,"agent_pod_label":"a b"`), types.ErrInvalidNetworkConfig, "agent_pod_label"},
+		{base(`,"ipv6":"pass"`), types.ErrInvalidNetworkConfig, `ipv6 "pass": want istio, capture or drop`},
+		{base(`,"ipv6":true`), types.ErrDecodingFailure, "ipv6"},
 		{base(`,"agent_pod_namespace":"Not_A_Namespace"`), types.ErrInvalidNetworkConfig, "agent_pod_namespace"},
 		{[]byte(`{"cniVersion":"1.0.0","name":"n","type":"meshcni","cni_agent_run_dir":"run/meshcni"}`), types.ErrInvalidNetworkConfig, `cni_agent_run_dir "run/meshcni"`},
 		{[]byte(`{"cniVersion":"1.0.0","name":"n","type":"meshcni"}`), types.ErrInvalidNetworkConfig, "cni_agent_run_dir"},

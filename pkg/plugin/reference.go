@@ -21,6 +21,7 @@ var ConfigKeys = []ConfigKey{
 	{"api_timeout", "Go duration (`\"10s\"`) or seconds, ≤ 5m", "`20s`", "Total deadline of the pod lookup, retries included."},
 	{"agent_pod_namespace", "namespace name", "none (the agent writes its own)", "The agent's namespace: pods there with `agent_pod_label` are never redirected. Unset: no pod is exempt by label."},
 	{"agent_pod_label", "`key=value`", "`app.kubernetes.io/name=meshcni`", "Label of the agent's own pods, never redirected in `agent_pod_namespace` (a label alone is no opt-out)."},
+	{"ipv6", "`istio`, `capture`, `drop`", "`istio`", "What happens to a meshed pod's IPv6, the same on every backend (a pod's `meshcni.io/ipv6` annotation wins): `istio` captures it when Istio writes IPv6 rules (the proxy has `ISTIO_DUAL_STACK=true` and the pod an IPv6 address, or the pod is IPv6-only) and lets it pass otherwise; `capture` always captures it; `drop` drops what `istio` lets pass, except over lo, ICMPv6, the proxy's own outbound traffic and established or related flows."},
 	{"kubernetes.kubeconfig", "absolute path", "", "Istio's legacy block: overrides `cni_agent_run_dir/" + KubeconfigName + "`."},
 	{"kubernetes.exclude_namespaces", "list of namespace names", "`[]`", "Istio's legacy block: merged with `exclude_namespaces`."},
 	{"kubernetes.cni_bin_dir", "absolute path", "", "Istio's legacy block: accepted and unused."},

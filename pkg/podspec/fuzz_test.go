@@ -47,7 +47,8 @@ func checkLines(t *testing.T, what, script string, prefixes ...string) {
 }
 
 // FuzzSpec fuzzes a meshed pod's annotations (present when their bit in mask is
-// set), the proxy's runAsUser/runAsGroup and its DNS/dual-stack environment. An
+// set; bit 10 sets meshcni.io/ipv6 to dual's value), the proxy's
+// runAsUser/runAsGroup and its DNS/dual-stack environment. An
 // accepted pod yields a spec that passes Validate and renders, for iptables, only
 // `*table`, `:chain`, `-A`/`-I`/`-N` and COMMIT lines, and for nftables only
 // `add …`/`delete …` lines; a rejected one is a *spec.FieldError naming the
@@ -60,6 +61,8 @@ func FuzzSpec(f *testing.F) {
 	f.Add(uint16(0x80), "", "", "", "", "", "", "", "eth0\nCOMMIT", "", "", int64(0), int64(0), "")
 	f.Add(uint16(0x40), "", "", "", "", "", "", "*", "", "", "", int64(0), int64(0), "")
 	f.Add(uint16(0x1), "NONE", "", "", "", "", "", "", "", "", "", int64(4294967295), int64(0), "false")
+	f.Add(uint16(0x401), "TPROXY", "", "", "", "", "", "", "", "", "", int64(0), int64(0), "drop")
+	f.Add(uint16(0x400), "", "", "", "", "", "", "", "", "", "", int64(0), int64(0), "capture\n")
 	f.Fuzz(func(t *testing.T, mask uint16, mode, inInc, inExc, outInc, outExc, ipInc, ipExc, exclIf, reroute, kubevirt string, uid, gid int64, dual string) {
 		values := []string{mode, inInc, inExc, outInc, outExc, ipInc, ipExc, exclIf, reroute, kubevirt}
 		pod := meshedPod(env(EnvDualStack, dual), env(EnvDNSCapture, dual), runAs(&uid, &gid))
@@ -69,6 +72,10 @@ func FuzzSpec(f *testing.F) {
 				pod.Annotations[fuzzAnnotations[i]] = v
 				set[fuzzAnnotations[i]] = true
 			}
+		}
+		if mask&(1<<len(values)) != 0 {
+			pod.Annotations[AnnotationIPv6] = dual
+			set[AnnotationIPv6] = true
 		}
 		set[ProxyContainer+".securityContext.runAsUser"] = true
 		set[ProxyContainer+".securityContext.runAsGroup"] = true
@@ -87,11 +94,13 @@ func FuzzSpec(f *testing.F) {
 		if err := s.Validate(); err != nil {
 			t.Fatalf("accepted spec does not validate: %v", err)
 		}
-		s.EnableIPv4, s.EnableIPv6 = true, true
-		rs := rules.Build(s)
-		for _, fam := range []rules.Family{rules.V4, rules.V6} {
-			checkLines(t, "iptables-restore "+fam.String(), ipt.Restore(rs, fam), "*", ":", "-A ", "-I ", "-N ", "COMMIT")
+		for _, v6 := range []bool{true, false} { // IPv6 captured; IPv6 as the mode says
+			s.EnableIPv4, s.EnableIPv6 = true, v6
+			rs := rules.Build(s)
+			for _, fam := range []rules.Family{rules.V4, rules.V6} {
+				checkLines(t, "iptables-restore "+fam.String(), ipt.Restore(rs, fam), "*", ":", "-A ", "-I ", "-N ", "COMMIT")
+			}
+			checkLines(t, "nft script", nft.Render(rs), "add ", "delete ", "flush ")
 		}
-		checkLines(t, "nft script", nft.Render(rs), "add ", "delete ", "flush ")
 	})
 }

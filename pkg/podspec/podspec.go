@@ -34,6 +34,10 @@ const (
 	// AnnotationRerouteVirtualInterfaces, which wins when both are set.
 	AnnotationKubevirtInterfaces = "traffic.sidecar.istio.io/kubevirtInterfaces"
 
+	// AnnotationIPv6 is meshcni's own: the pod's IPv6 mode (spec.IPv6Mode: istio,
+	// capture or drop), overriding the plugin's ipv6 key.
+	AnnotationIPv6 = "meshcni.io/ipv6"
+
 	EnvDNSCapture   = "ISTIO_META_DNS_CAPTURE"
 	EnvDualStack    = "ISTIO_DUAL_STACK"
 	EnvInvalidDrop  = "INVALID_DROP"
@@ -84,6 +88,9 @@ type Config struct {
 	AgentNamespace string
 	// AgentLabel selects the node agent's pods (zero: DefaultAgentLabel).
 	AgentLabel Label
+	// IPv6 is the node's IPv6 mode (the plugin's ipv6 key), for pods without the
+	// AnnotationIPv6 annotation (zero: spec.IPv6Istio).
+	IPv6 spec.IPv6Mode
 }
 
 // Decision says whether a pod is redirected, and why.
@@ -238,24 +245,33 @@ func Spec(pod *Pod) (*spec.Spec, error) {
 //   - ISTIO_META_DNS_CAPTURE → DNS capture, of all DNS (the pod's resolv.conf is not
 //     known to a CNI plugin, so istio-cni captures all port-53 traffic);
 //     INVALID_DROP → drop conntrack-INVALID; ISTIO_DUAL_STACK → IPv6 rules (the
-//     plugin then sets the families from the pod's actual addresses, see WithFamilies).
+//     plugin then sets the families from the pod's actual addresses as Istio does,
+//     see WithFamilies);
+//   - meshcni.io/ipv6 (meshcni's own) → the IPv6 mode, else the node's (Config.IPv6),
+//     else istio.
 //
 // A present annotation with a bad value is an error (a *spec.FieldError naming the
 // annotation and the value); nothing must be applied then.
-func Build(pod *Pod) (Result, error) {
+func Build(pod *Pod) (Result, error) { return Config{}.Build(pod) }
+
+// Build is the package's Build with the node's settings (Config.IPv6).
+func (c Config) Build(pod *Pod) (Result, error) {
 	if pod == nil {
 		return Result{}, fmt.Errorf("no pod")
 	}
 	s := spec.PodDefaults()
 	var res Result
 	ann := pod.Annotations
+	var err error
+	if s.IPv6, err = c.ipv6(ann); err != nil {
+		return Result{}, err
+	}
 	get := func(key, def string) string {
 		if v, ok := ann[key]; ok {
 			return v
 		}
 		return def
 	}
-	var err error
 	if v, ok := ann[AnnotationInterceptionMode]; ok {
 		if s.Mode, err = spec.ParseMode(AnnotationInterceptionMode, v); err != nil {
 			return Result{}, err
@@ -341,6 +357,17 @@ func Build(pod *Pod) (Result, error) {
 	return res, nil
 }
 
+// ipv6 is the pod's IPv6 mode: its annotation, else the node's, else istio.
+func (c Config) ipv6(ann map[string]string) (spec.IPv6Mode, error) {
+	if v, ok := ann[AnnotationIPv6]; ok {
+		return spec.ParseIPv6Mode(AnnotationIPv6, v)
+	}
+	if c.IPv6 == "" {
+		return spec.IPv6Istio, nil
+	}
+	return c.IPv6, nil
+}
+
 func idOf(field string, v int64) (uint32, error) {
 	if v < 0 || v >= 1<<32-1 {
 		return 0, &spec.FieldError{Field: field, Value: strconv.FormatInt(v, 10), Reason: "a UID/GID must be a whole number from 0 to 4294967294"}
@@ -366,8 +393,12 @@ func appendUnique(ports []uint16, more ...uint16) []uint16 {
 }
 
 // WithFamilies sets the spec's IP families from the pod's addresses (the CNI
-// prevResult's IPs): IPv4 rules when it has an IPv4 address, IPv6 rules (and ::6 on
-// lo) when it has an IPv6 one. With no address at all the spec is left as it is.
+// prevResult's IPs) as Istio decides them: IPv4 rules when the pod has an IPv4
+// address; IPv6 rules (and ::6 on lo) as spec.IstioIPv6 says, given the proxy's
+// ISTIO_DUAL_STACK, which s.EnableIPv6 holds on entry (Build sets it so). A
+// dual-stack pod whose proxy is not dual-stack thus gets no IPv6 rules, as under
+// istio-cni; what then happens to its IPv6 is the spec's IPv6 mode. With no
+// address at all the spec is left as it is.
 func WithFamilies(s *spec.Spec, addrs []netip.Addr) {
 	var v4, v6 bool
 	for _, a := range addrs {
@@ -379,7 +410,8 @@ func WithFamilies(s *spec.Spec, addrs []netip.Addr) {
 		}
 	}
 	if v4 || v6 {
-		s.EnableIPv4, s.EnableIPv6 = v4, v6
+		s.EnableIPv6 = spec.IstioIPv6(s.EnableIPv6, addrs)
+		s.EnableIPv4 = v4 || !s.EnableIPv6
 	}
 }
 
@@ -387,8 +419,11 @@ func WithFamilies(s *spec.Spec, addrs []netip.Addr) {
 // pod's addresses (WithFamilies): what the plugin applies at ADD, for callers that
 // program a pod after the fact (the agent's repair controller). addrs are the pod's
 // addresses (status.podIPs).
-func ForPod(pod *Pod, addrs []netip.Addr) (Result, error) {
-	res, err := Build(pod)
+func ForPod(pod *Pod, addrs []netip.Addr) (Result, error) { return Config{}.ForPod(pod, addrs) }
+
+// ForPod is the package's ForPod with the node's settings (Config.IPv6).
+func (c Config) ForPod(pod *Pod, addrs []netip.Addr) (Result, error) {
+	res, err := c.Build(pod)
 	if err != nil {
 		return Result{}, err
 	}

@@ -225,6 +225,9 @@ func TestSpec(t *testing.T) {
 			s.RedirectDNS, s.CaptureAllDNS = true, true
 		}), ""},
 		{"dual stack", meshedPod(env(EnvDualStack, "true")), base(func(s *spec.Spec) { s.EnableIPv6 = true }), ""},
+		{"IPv6 mode capture", meshedPod(ann(AnnotationIPv6, "capture")), base(func(s *spec.Spec) { s.IPv6 = spec.IPv6Capture }), ""},
+		{"IPv6 mode drop", meshedPod(ann(AnnotationIPv6, " DROP ")), base(func(s *spec.Spec) { s.IPv6 = spec.IPv6Drop }), ""},
+		{"IPv6 mode istio", meshedPod(ann(AnnotationIPv6, "istio")), base(nil), ""},
 		{"invalid drop", meshedPod(env(EnvInvalidDrop, "1")), base(func(s *spec.Spec) { s.DropInvalid = true }), ""},
 		{"unparseable env ignored with a warning", meshedPod(env(EnvDNSCapture, "yes")), base(nil), "ISTIO_META_DNS_CAPTURE"},
 	}
@@ -264,6 +267,9 @@ func TestSpecBadValues(t *testing.T) {
 		{meshedPod(ann(AnnotationRerouteVirtualInterfaces, "averyveryverylongname")), AnnotationRerouteVirtualInterfaces, "averyveryverylongname"},
 		{meshedPod(ann(AnnotationKubevirtInterfaces, "a b")), AnnotationKubevirtInterfaces, "a b"},
 		{meshedPod(runAs(i64(-5), nil)), "istio-proxy.securityContext.runAsUser", "-5"},
+		{meshedPod(ann(AnnotationIPv6, "pass")), AnnotationIPv6, "pass"},
+		{meshedPod(ann(AnnotationIPv6, "")), AnnotationIPv6, ""},
+		{meshedPod(ann(AnnotationIPv6, "true")), AnnotationIPv6, "true"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.field+"="+tt.value, func(t *testing.T) {
@@ -285,25 +291,59 @@ func TestSpecBadValues(t *testing.T) {
 	}
 }
 
+// TestWithFamilies: the families Istio writes rules for (spec.IstioIPv6), from the
+// pod's addresses and its proxy's ISTIO_DUAL_STACK (EnableIPv6 on entry).
 func TestWithFamilies(t *testing.T) {
 	for _, tt := range []struct {
-		addrs  []string
-		v4, v6 bool
+		dualStack bool
+		addrs     []string
+		v4, v6    bool
 	}{
-		{nil, true, false},
-		{[]string{"10.1.2.3"}, true, false},
-		{[]string{"fd00::5"}, false, true},
-		{[]string{"10.1.2.3", "fd00::5"}, true, true},
-		{[]string{"::ffff:10.1.2.3"}, true, false},
+		{false, nil, true, false},
+		{true, nil, true, true}, // no address known: ISTIO_DUAL_STACK alone
+		{false, []string{"10.1.2.3"}, true, false},
+		{true, []string{"10.1.2.3"}, true, false},
+		{false, []string{"fd00::5"}, false, true},
+		{true, []string{"fd00::5"}, false, true},
+		{false, []string{"10.1.2.3", "fd00::5"}, true, false}, // single-stack proxy: Istio writes no IPv6 rule
+		{true, []string{"10.1.2.3", "fd00::5"}, true, true},
+		{false, []string{"::ffff:10.1.2.3"}, true, false},
+		{false, []string{"fe80::5"}, true, false}, // no family Istio captures: IPv4 rules, as Istio always writes them
 	} {
 		s := spec.PodDefaults()
+		s.EnableIPv6 = tt.dualStack
 		var as []netip.Addr
 		for _, a := range tt.addrs {
 			as = append(as, netip.MustParseAddr(a))
 		}
 		WithFamilies(&s, as)
 		if s.EnableIPv4 != tt.v4 || s.EnableIPv6 != tt.v6 {
-			t.Errorf("%v: v4=%v v6=%v, want %v %v", tt.addrs, s.EnableIPv4, s.EnableIPv6, tt.v4, tt.v6)
+			t.Errorf("dual stack %v, %v: v4=%v v6=%v, want %v %v", tt.dualStack, tt.addrs, s.EnableIPv4, s.EnableIPv6, tt.v4, tt.v6)
+		}
+	}
+}
+
+// TestConfigIPv6: the pod's meshcni.io/ipv6 annotation wins over the node's mode
+// (the plugin's ipv6 key), which wins over istio.
+func TestConfigIPv6(t *testing.T) {
+	for _, tt := range []struct {
+		node spec.IPv6Mode
+		pod  *Pod
+		want spec.IPv6Mode
+	}{
+		{"", meshedPod(), spec.IPv6Istio},
+		{spec.IPv6Drop, meshedPod(), spec.IPv6Drop},
+		{spec.IPv6Capture, meshedPod(), spec.IPv6Capture},
+		{spec.IPv6Drop, meshedPod(ann(AnnotationIPv6, "istio")), spec.IPv6Istio},
+		{"", meshedPod(ann(AnnotationIPv6, "capture")), spec.IPv6Capture},
+	} {
+		addrs := []netip.Addr{netip.MustParseAddr("10.1.2.3"), netip.MustParseAddr("fd00::5")}
+		r, err := Config{IPv6: tt.node}.ForPod(tt.pod, addrs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Spec.IPv6 != tt.want || r.Spec.EnableIPv6 {
+			t.Errorf("node %q, annotations %v: IPv6 %q EnableIPv6 %v, want %q false", tt.node, tt.pod.Annotations, r.Spec.IPv6, r.Spec.EnableIPv6, tt.want)
 		}
 	}
 }

@@ -25,8 +25,9 @@ var Settings = []Setting{
 	{AnnotationRerouteVirtualInterfaces, "annotation", "(none)", "Comma-separated interfaces (e.g. KubeVirt's) whose inbound traffic is captured as outbound."},
 	{AnnotationKubevirtInterfaces, "annotation", "(none)", "Deprecated spelling of " + AnnotationRerouteVirtualInterfaces + ", which wins when both are set."},
 	{EnvDNSCapture, "istio-proxy env", "false", "`true` captures DNS (UDP and TCP port 53) to the proxy's DNS port 15053."},
-	{EnvDualStack, "istio-proxy env", "false", "`true` also writes IPv6 rules; the families applied are the pod's own addresses' (from the CNI result)."},
+	{EnvDualStack, "istio-proxy env", "false", "`true`: IPv6 is captured when the pod has an IPv6 address. Without it IPv6 is captured only in an IPv6-only pod, as Istio decides (istio-iptables' getLocalIP); a dual-stack pod's IPv6 then passes uncaptured, unless " + AnnotationIPv6 + " says otherwise."},
 	{EnvInvalidDrop, "istio-proxy env", "false", "`true` drops packets conntrack marks INVALID."},
 	{EnvDisableEnvoy, "istio-proxy env", "false", "`true`: the proxy does not run, the pod is not redirected."},
+	{AnnotationIPv6, "annotation", "istio", "meshcni's own; absent: the plugin's `ipv6` key (default `istio`). What happens to the pod's IPv6, the same on every backend: `istio` captures it exactly when Istio writes IPv6 rules (above) and lets it pass uncaptured otherwise; `capture` always captures it (the proxy must listen on IPv6: `[::1]:15001`, 15006); `drop` is `istio`, but IPv6 that would pass is dropped, except over lo, ICMPv6, the proxy's own (UID/GID) outbound traffic and established or related flows. Another value fails the pod's ADD with an error naming the annotation."},
 	{"securityContext.runAsUser / runAsGroup", "istio-proxy container", "1337", "The proxy's UID/GID, whose traffic is exempt from capture. 0 or unset means 1337."},
 }

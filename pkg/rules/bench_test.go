@@ -25,3 +25,12 @@ func BenchmarkBuildAndRenderIptables(b *testing.B) {
 		_ = ipt.Restore(rs, rules.V6)
 	}
 }
+
+// BenchmarkBuildSingleStack: pod defaults whose IPv6 is not captured (the
+// inet view's pass rules are added).
+func BenchmarkBuildSingleStack(b *testing.B) {
+	s := spec.PodDefaults()
+	for b.Loop() {
+		rules.Build(&s)
+	}
+}

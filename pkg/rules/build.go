@@ -104,7 +104,7 @@ func Build(s *spec.Spec) *Ruleset {
 	if s.EnableIPv4 {
 		rs.Families |= V4
 	}
-	if s.EnableIPv6 {
+	if s.IPv6Captured() {
 		rs.Families |= V6
 		rs.IPv6Loopback = true
 	}
@@ -197,7 +197,84 @@ func Build(s *spec.Spec) *Ruleset {
 			rs.Route = &PolicyRoute{Mark: s.TProxyMark, Table: s.TProxyRouteTable}
 		}
 	}
+	b.uncaptured()
 	return rs
+}
+
+// uncaptured writes what happens to a family whose capture rules are not written,
+// so that every backend treats it alike. The iptables backends hold one set of
+// tables per family: with no rule for a family its traffic passes uncaptured, as
+// under istio-iptables. The inet view (native nftables) holds both families, and a
+// capture rule without an address applies to either, so each of its base chains
+// starts by letting the uncaptured family pass (`meta nfproto ipv6 return`). With
+// IPv6 mode drop, IPv6 goes first through ISTIO_IPV6_DROP_IN / _OUT (mangle
+// PREROUTING / OUTPUT) in every view: ip6tables' and the inet table's.
+func (b *builder) uncaptured() {
+	for _, f := range []Family{V4, V6} {
+		if b.rs.Families.Has(f) {
+			continue
+		}
+		b.passGuards(f)
+		if f == V6 && b.s.IPv6 == spec.IPv6Drop {
+			b.dropIPv6()
+		}
+	}
+}
+
+// passGuards puts `meta nfproto f return` first in every base chain of the inet view.
+func (b *builder) passGuards(f Family) {
+	for _, t := range b.rs.Tables {
+		for _, c := range inetBaseChains(t, b.rs.Families) {
+			b.insert(t.Name, c, 1, Rule{Family: f, Scope: InetView, Uncaptured: true, Match: Match{NFProto: f}, Verdict: ret,
+				Comment: "the family's capture rules are not written: it passes, as with iptables"})
+		}
+	}
+}
+
+// inetBaseChains lists the base chains of t that hold a rule in the inet view (a
+// conditional jump counts when its target holds one), without resolving the view.
+func inetBaseChains(t *Table, captured Family) []string {
+	has := map[string]bool{}
+	for _, op := range t.Ops {
+		if !op.Rule.IfTargetNonEmpty && op.Rule.inView(Both, captured, true) {
+			has[op.Chain] = true
+		}
+	}
+	for _, op := range t.Ops {
+		if op.Rule.IfTargetNonEmpty && op.Rule.inView(Both, captured, true) && has[op.Rule.Verdict.Chain] {
+			has[op.Chain] = true
+		}
+	}
+	var out []string
+	for _, c := range []string{ChainPrerouting, ChainOutput} {
+		if has[c] {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+// dropIPv6 drops uncaptured IPv6 but what must pass: lo, ICMPv6 (neighbour
+// discovery), the proxy's own outbound traffic, and established or related flows
+// (the replies to it).
+func (b *builder) dropIPv6() {
+	v6 := func(m Match, v Verdict) Rule { return Rule{Family: V6, Uncaptured: true, Match: m, Verdict: v} }
+	established := Match{CTState: CTRelated | CTEstablished}
+	icmp := Match{Proto: ICMPv6}
+	drop := Verdict{Kind: Drop}
+	b.insert(TableMangle, ChainPrerouting, 1, v6(Match{NFProto: V6}, jump(ChainIPv6DropIn)))
+	b.insert(TableMangle, ChainOutput, 1, v6(Match{NFProto: V6}, jump(ChainIPv6DropOut)))
+	for _, m := range []Match{{In: IfaceMatch{Name: "lo"}}, icmp, established} {
+		b.add(TableMangle, ChainIPv6DropIn, v6(m, ret))
+	}
+	b.add(TableMangle, ChainIPv6DropIn, v6(Match{}, drop))
+	for _, m := range []Match{{Out: IfaceMatch{Name: "lo"}}, icmp, established} {
+		b.add(TableMangle, ChainIPv6DropOut, v6(m, ret))
+	}
+	for _, own := range proxyOwners(b.s) {
+		b.add(TableMangle, ChainIPv6DropOut, v6(Match{Owners: own}, ret))
+	}
+	b.add(TableMangle, ChainIPv6DropOut, v6(Match{}, drop))
 }
 
 func (b *builder) inbound() {

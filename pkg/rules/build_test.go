@@ -387,3 +387,72 @@ func TestBuildDropInvalid(t *testing.T) {
 		{table: "mangle", chain: "PREROUTING", rule: Rule{Match: Match{CTState: CTInvalid}, Verdict: toChain("ISTIO_DROP")}, absent: true},
 	})
 }
+
+// TestIPv6Views: what each view holds for IPv6, per IPv6 mode, for a pod whose IPv6
+// rules Istio writes (EnableIPv6) or not. The ip6tables view is empty when IPv6
+// passes, holds only the drop chains when it is dropped, Istio's capture rules when
+// captured; the inet view's base chains start with `meta nfproto ipv6 return` when
+// IPv6 is not captured (after the jump to the drop chain with drop).
+func TestIPv6Views(t *testing.T) {
+	pass := Rule{Match: Match{NFProto: V6}, Verdict: ret}
+	dropIn := Rule{Match: Match{NFProto: V6}, Verdict: jump(ChainIPv6DropIn)}
+	for _, tc := range []struct {
+		mode      spec.IPv6Mode
+		enable    bool
+		families  Family
+		v6Chains  []string // mangle and nat chains of the ip6tables view, in order
+		natFirst  *Rule    // first rule of the inet nat OUTPUT chain (nil: no guard)
+		mangleIn  []Rule   // first rules of the inet mangle PREROUTING chain
+		loopback6 bool
+	}{
+		{spec.IPv6Istio, false, V4, nil, &pass, nil, false},
+		{spec.IPv6Istio, true, Both, []string{"nat:ISTIO_INBOUND", "nat:ISTIO_REDIRECT", "nat:ISTIO_IN_REDIRECT", "nat:PREROUTING", "nat:OUTPUT", "nat:ISTIO_OUTPUT"}, nil, nil, true},
+		{spec.IPv6Capture, false, Both, []string{"nat:ISTIO_INBOUND", "nat:ISTIO_REDIRECT", "nat:ISTIO_IN_REDIRECT", "nat:PREROUTING", "nat:OUTPUT", "nat:ISTIO_OUTPUT"}, nil, nil, true},
+		{spec.IPv6Drop, false, V4, []string{"mangle:PREROUTING", "mangle:OUTPUT", "mangle:ISTIO_IPV6_DROP_IN", "mangle:ISTIO_IPV6_DROP_OUT"}, &pass, []Rule{dropIn}, false},
+		{spec.IPv6Drop, true, Both, []string{"nat:ISTIO_INBOUND", "nat:ISTIO_REDIRECT", "nat:ISTIO_IN_REDIRECT", "nat:PREROUTING", "nat:OUTPUT", "nat:ISTIO_OUTPUT"}, nil, nil, true},
+	} {
+		t.Run(fmt.Sprintf("%s/EnableIPv6=%v", tc.mode, tc.enable), func(t *testing.T) {
+			s := spec.PodDefaults()
+			s.IPv6, s.EnableIPv6 = tc.mode, tc.enable
+			rs := Build(&s)
+			if rs.Families != tc.families || rs.IPv6Loopback != tc.loopback6 {
+				t.Errorf("Families %s IPv6Loopback %v, want %s %v", rs.Families, rs.IPv6Loopback, tc.families, tc.loopback6)
+			}
+			var chains []string
+			for _, rt := range rs.Resolve(V6) {
+				for _, c := range rt.Chains {
+					chains = append(chains, rt.Name+":"+c.Name)
+				}
+			}
+			if !reflect.DeepEqual(chains, tc.v6Chains) {
+				t.Errorf("ip6tables view chains %v, want %v", chains, tc.v6Chains)
+			}
+			inet := map[string]*ResolvedTable{}
+			for _, rt := range rs.Resolve(Both) {
+				inet[rt.Name] = &rt
+			}
+			first := func(table, chain string, n int) []Rule {
+				c := inet[table].Chain(chain)
+				if c == nil || len(c.Rules) < n {
+					t.Fatalf("inet %s %s: fewer than %d rules", table, chain, n)
+				}
+				out := make([]Rule, n)
+				for i, r := range c.Rules[:n] {
+					out[i] = Rule{Match: r.Match, Verdict: r.Verdict}
+				}
+				return out
+			}
+			natOut := first(TableNat, ChainOutput, 1)[0]
+			if tc.natFirst == nil && natOut.Match.NFProto != 0 || tc.natFirst != nil && !reflect.DeepEqual(natOut, *tc.natFirst) {
+				t.Errorf("inet nat OUTPUT starts with %+v, want %+v", natOut, tc.natFirst)
+			}
+			if tc.mangleIn != nil {
+				if got := first(TableMangle, ChainPrerouting, len(tc.mangleIn)); !reflect.DeepEqual(got, tc.mangleIn) {
+					t.Errorf("inet mangle PREROUTING starts with %+v, want %+v", got, tc.mangleIn)
+				}
+			} else if inet[TableMangle] != nil {
+				t.Errorf("inet mangle table present: %+v", inet[TableMangle])
+			}
+		})
+	}
+}

@@ -57,6 +57,10 @@ const (
 	ChainDivert      = "ISTIO_DIVERT"
 	ChainTProxy      = "ISTIO_TPROXY"
 	ChainDrop        = "ISTIO_DROP"
+	// meshcni's own chains (IPv6 mode drop), named like Istio's so that whatever
+	// recognises the redirect's ISTIO_* chains recognises them too.
+	ChainIPv6DropIn  = "ISTIO_IPV6_DROP_IN"
+	ChainIPv6DropOut = "ISTIO_IPV6_DROP_OUT"
 )
 
 // IsBuiltin reports whether a chain is a kernel hook chain (PREROUTING, OUTPUT).
@@ -69,6 +73,7 @@ const (
 	AnyProto Proto = iota
 	TCP
 	UDP
+	ICMPv6
 )
 
 func (p Proto) String() string {
@@ -77,6 +82,8 @@ func (p Proto) String() string {
 		return "tcp"
 	case UDP:
 		return "udp"
+	case ICMPv6:
+		return "ipv6-icmp"
 	}
 	return ""
 }
@@ -140,6 +147,9 @@ func (s CTState) Names() []string {
 
 // Match is the conjunction of a rule's conditions. Zero fields match everything.
 type Match struct {
+	// NFProto matches the packet's family (V4 or V6; 0: either). Only the inet view
+	// needs it written: an iptables view holds one family.
+	NFProto  Family
 	Proto    Proto
 	In, Out  IfaceMatch
 	Src, Dst PrefixMatch
@@ -207,6 +217,10 @@ type Rule struct {
 	// IfTargetNonEmpty drops a Jump from a view in which its target chain holds no
 	// rule (Istio creates DNS jumps per family only where they lead somewhere).
 	IfTargetNonEmpty bool
+	// Uncaptured marks meshcni's rules for a family whose capture rules are not
+	// written (not in Ruleset.Families): they pass or drop that family's traffic,
+	// and stay in the views of their Family regardless of Ruleset.Families.
+	Uncaptured bool
 	// Comment says why the rule exists (not rendered into the kernel).
 	Comment string
 }
@@ -235,7 +249,7 @@ type PolicyRoute struct {
 
 // Ruleset is the whole desired state of one pod's redirect.
 type Ruleset struct {
-	Families Family // enabled families
+	Families Family // families whose capture rules are written
 	Tables   []*Table
 	Route    *PolicyRoute // nil unless TPROXY
 	// IPv6Loopback asks for ::6/128 on lo (the IPv6 inbound passthrough source).
@@ -275,15 +289,13 @@ func (t *ResolvedTable) Chain(name string) *Chain {
 }
 
 // Resolve plays the operations of every table for one view (V4, V6, or Both for an
-// inet table) and returns the non-empty tables with their non-empty chains. Views of
-// a disabled family are empty.
+// inet table) and returns the non-empty tables with their non-empty chains. A
+// family's capture rules are in a view only when the family is in Families; its
+// Uncaptured rules only when it is not.
 func (rs *Ruleset) Resolve(view Family) []ResolvedTable {
-	if rs.Families&view == 0 {
-		return nil
-	}
 	var out []ResolvedTable
 	for _, t := range rs.Tables {
-		rt := resolveTable(t, view&rs.Families, view == Both)
+		rt := resolveTable(t, view, rs.Families, view == Both)
 		if len(rt.Chains) > 0 {
 			out = append(out, rt)
 		}
@@ -291,11 +303,22 @@ func (rs *Ruleset) Resolve(view Family) []ResolvedTable {
 	return out
 }
 
-func resolveTable(t *Table, view Family, inet bool) ResolvedTable {
+// inView reports whether a rule belongs to a view, given the captured families.
+func (r *Rule) inView(view, captured Family, inet bool) bool {
+	if !r.Scope.in(inet) {
+		return false
+	}
+	if r.Uncaptured {
+		return r.Family&view&^captured != 0
+	}
+	return r.Family&view&captured != 0
+}
+
+func resolveTable(t *Table, view, captured Family, inet bool) ResolvedTable {
 	var order []string
 	chains := map[string][]Rule{}
 	for _, op := range t.Ops {
-		if op.Rule.Family&view == 0 || !op.Rule.Scope.in(inet) {
+		if !op.Rule.inView(view, captured, inet) {
 			continue
 		}
 		rules, seen := chains[op.Chain]

@@ -126,8 +126,11 @@ type Spec struct {
 
 	DropInvalid bool
 
+	// EnableIPv4 and EnableIPv6 say for which families Istio writes rules (for a
+	// pod: IstioIPv6). IPv6 says what happens to IPv6 otherwise (IPv6Captured).
 	EnableIPv4 bool
 	EnableIPv6 bool
+	IPv6       IPv6Mode
 
 	// HostLoopback is the IPv4 loopback range that counts as "localhost"
 	// (ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR, default 127.0.0.1/32).
@@ -138,7 +141,8 @@ type Spec struct {
 
 // Default returns Istio's sidecar defaults as istio-iptables applies them when given
 // only the base flags: outbound to 15001, inbound to 15006, tunnel 15008, proxy UID and
-// GID 1337, REDIRECT, no inbound ports, no outbound ranges, IPv4 only.
+// GID 1337, REDIRECT, no inbound ports, no outbound ranges, IPv4 only (IPv6 mode
+// istio: IPv6 passes uncaptured).
 //
 // Pods get Istio's per-pod defaults (capture all inbound, all outbound, exclude 15020,
 // 15021, 15090 inbound) from PodDefaults.
@@ -154,6 +158,7 @@ func Default() Spec {
 		TProxyMark:         DefaultTProxyMark,
 		TProxyRouteTable:   DefaultTProxyRouteTable,
 		EnableIPv4:         true,
+		IPv6:               IPv6Istio,
 		HostLoopback:       netip.MustParsePrefix("127.0.0.1/32"),
 	}
 }
@@ -210,7 +215,10 @@ func (s *Spec) Validate() error {
 	if len(s.OwnerGroups.Include) > 0 && len(s.OwnerGroups.Exclude) > 0 {
 		bad("owner groups", "", "include and exclude lists are mutually exclusive")
 	}
-	if !s.EnableIPv4 && !s.EnableIPv6 {
+	if !s.IPv6.Valid() {
+		bad("IPv6 mode", string(s.IPv6), "want istio, capture or drop")
+	}
+	if !s.EnableIPv4 && !s.IPv6Captured() {
 		bad("IP families", "", "at least one of IPv4 and IPv6 must be enabled")
 	}
 	if !s.HostLoopback.IsValid() || !s.HostLoopback.Addr().Is4() || !s.HostLoopback.Addr().IsLoopback() {

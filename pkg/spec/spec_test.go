@@ -24,6 +24,7 @@ func TestDefaults(t *testing.T) {
 		TProxyMark:         1337,
 		TProxyRouteTable:   133,
 		EnableIPv4:         true,
+		IPv6:               "istio",
 		HostLoopback:       netip.MustParsePrefix("127.0.0.1/32"),
 	}
 	if !reflect.DeepEqual(d, want) {
@@ -56,6 +57,8 @@ func TestValidate(t *testing.T) {
 		{"pod defaults", func(*spec.Spec) {}, nil},
 		{"TPROXY dual stack", func(s *spec.Spec) { s.Mode, s.EnableIPv6 = spec.ModeTProxy, true }, nil},
 		{"IPv6 only", func(s *spec.Spec) { s.EnableIPv4, s.EnableIPv6 = false, true }, nil},
+		{"IPv6 only by mode capture", func(s *spec.Spec) { s.EnableIPv4, s.IPv6 = false, spec.IPv6Capture }, nil},
+		{"IPv6 mode drop", func(s *spec.Spec) { s.IPv6 = spec.IPv6Drop }, nil},
 		{"GIDs only", func(s *spec.Spec) { s.ProxyUIDs = nil }, nil},
 		{"UIDs only", func(s *spec.Spec) { s.ProxyGIDs = nil }, nil},
 		{"loopback /8", func(s *spec.Spec) { s.HostLoopback = netip.MustParsePrefix("127.0.0.0/8") }, nil},
@@ -84,6 +87,10 @@ func TestValidate(t *testing.T) {
 		}, []string{`invalid owner groups "": include and exclude lists are mutually exclusive`}},
 		{"no family", func(s *spec.Spec) { s.EnableIPv4 = false },
 			[]string{`invalid IP families "": at least one of IPv4 and IPv6 must be enabled`}},
+		{"no family, IPv6 dropped", func(s *spec.Spec) { s.EnableIPv4, s.IPv6 = false, spec.IPv6Drop },
+			[]string{`invalid IP families "": at least one of IPv4 and IPv6 must be enabled`}},
+		{"unknown IPv6 mode", func(s *spec.Spec) { s.IPv6 = "pass" }, []string{`invalid IPv6 mode "pass": want istio, capture or drop`}},
+		{"empty IPv6 mode", func(s *spec.Spec) { s.IPv6 = "" }, []string{`invalid IPv6 mode "": want istio, capture or drop`}},
 		{"loopback not loopback", func(s *spec.Spec) { s.HostLoopback = netip.MustParsePrefix("10.0.0.0/8") },
 			[]string{`invalid host IPv4 loopback CIDR "10.0.0.0/8": ` + loopbackReason}},
 		{"loopback IPv6", func(s *spec.Spec) { s.HostLoopback = netip.MustParsePrefix("::1/128") },

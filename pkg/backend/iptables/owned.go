@@ -14,7 +14,7 @@ import (
 func ownedChain(name string) bool {
 	switch name {
 	case "ISTIO_INBOUND", "ISTIO_REDIRECT", "ISTIO_IN_REDIRECT", "ISTIO_OUTPUT", "ISTIO_OUTPUT_DNS",
-		"ISTIO_DIVERT", "ISTIO_TPROXY", "ISTIO_DROP":
+		"ISTIO_DIVERT", "ISTIO_TPROXY", "ISTIO_DROP", "ISTIO_IPV6_DROP_IN", "ISTIO_IPV6_DROP_OUT":
 		return true
 	}
 	return false

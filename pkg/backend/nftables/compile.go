@@ -61,8 +61,15 @@ func (c *compiler) rule(table, chain string, r rules.Rule) (compiledRule, error)
 				key = expr.MetaKeyOIFNAME
 			}
 			add(&expr.Meta{Key: key, Register: 1}, &expr.Cmp{Op: cmpOp(s.Neg), Register: 1, Data: name})
+		case nft.NFProto:
+			np := byte(unix.NFPROTO_IPV4)
+			if s.Family == rules.V6 {
+				np = unix.NFPROTO_IPV6
+			}
+			add(&expr.Meta{Key: expr.MetaKeyNFPROTO, Register: 1}, &expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{np}})
+			nfproto = s.Family
 		case nft.L4Proto:
-			p, err := protoNum(s.Proto)
+			p, err := l4Num(s.Proto)
 			if err != nil {
 				return out, err
 			}
@@ -173,6 +180,14 @@ func ifname(name string) ([]byte, error) {
 	b := make([]byte, ifNameSize)
 	copy(b, name)
 	return b, nil
+}
+
+// l4Num is the protocol number of a `meta l4proto` match.
+func l4Num(p rules.Proto) (byte, error) {
+	if p == rules.ICMPv6 {
+		return unix.IPPROTO_ICMPV6, nil
+	}
+	return protoNum(p)
 }
 
 func protoNum(p rules.Proto) (byte, error) {

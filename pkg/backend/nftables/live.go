@@ -398,7 +398,7 @@ func decompile(es []expr.Any, sets map[string][][]byte) string {
 				if p, ok := next(i).(*expr.Payload); ok && p.Base == expr.PayloadBaseNetworkHeader {
 					continue
 				}
-				out = append(out, fmt.Sprintf("meta nfproto %d", cmp.Data[0]))
+				out = append(out, "meta nfproto "+nfprotoName(cmp.Data[0]))
 			case isCmp && len(cmp.Data) == 4:
 				out = append(out, metaName(e.Key)+" "+neg(cmp.Op)+strconv.FormatUint(uint64(binaryutil.NativeEndian.Uint32(cmp.Data)), 10))
 				i++
@@ -578,6 +578,18 @@ func protoName(p byte) string {
 		return "tcp"
 	case unix.IPPROTO_UDP:
 		return "udp"
+	case unix.IPPROTO_ICMPV6:
+		return "ipv6-icmp"
+	}
+	return strconv.Itoa(int(p))
+}
+
+func nfprotoName(p byte) string {
+	switch p {
+	case unix.NFPROTO_IPV4:
+		return "ipv4"
+	case unix.NFPROTO_IPV6:
+		return "ipv6"
 	}
 	return strconv.Itoa(int(p))
 }

@@ -15,6 +15,7 @@ import (
 
 // checkFamilies compares the iptables-restore payloads of an enabled family with
 // <base>-v4.iptables / <base>-v6.iptables; a disabled family must render nothing.
+// IPv6 is enabled when captured, and with IPv6 mode drop (its drop chains).
 func checkFamilies(t *testing.T, dir *golden.Dir, base string, s *spec.Spec) {
 	t.Helper()
 	rs := rules.Build(s)
@@ -22,7 +23,7 @@ func checkFamilies(t *testing.T, dir *golden.Dir, base string, s *spec.Spec) {
 		family  rules.Family
 		enabled bool
 		suffix  string
-	}{{rules.V4, s.EnableIPv4, "-v4.iptables"}, {rules.V6, s.EnableIPv6, "-v6.iptables"}} {
+	}{{rules.V4, s.EnableIPv4, "-v4.iptables"}, {rules.V6, s.IPv6Captured() || s.IPv6 == spec.IPv6Drop, "-v6.iptables"}} {
 		got := ipt.Restore(rs, f.family)
 		if !f.enabled {
 			if got != "" {

@@ -188,6 +188,7 @@ const (
 	SaveMark                    // ct mark set mark
 	RestoreMark                 // meta mark set ct mark
 	CTZone                      // ct zone set Value
+	NFProto                     // meta nfproto ipv4|ipv6 (Family)
 )
 
 // Stmt is one nft statement of a rule.
@@ -201,7 +202,7 @@ type Stmt struct {
 	Value  uint32       // skuid, mark, port, zone
 	Group  string       // SKGID: a name or a decimal GID
 	State  rules.CTState
-	Family rules.Family // TProxy: V4, V6, or 0 (unspecified)
+	Family rules.Family // TProxy: V4, V6, or 0 (unspecified); NFProto: V4 or V6
 	Meta   bool         // "meta skuid" rather than "skuid" (same expression)
 }
 
@@ -223,6 +224,9 @@ func Statements(table, chain string, r rules.Rule) []Stmt {
 	add := func(s Stmt) { out = append(out, s) }
 	raw := table == rules.TableRaw
 
+	if m.NFProto == rules.V4 || m.NFProto == rules.V6 {
+		add(Stmt{Kind: NFProto, Family: m.NFProto})
+	}
 	if m.In.Name != "" {
 		add(Stmt{Kind: IIFName, Name: m.In.Name, Neg: m.In.Neg})
 	}
@@ -434,6 +438,11 @@ func (s Stmt) String() string {
 		return "meta mark set ct mark"
 	case CTZone:
 		return "ct zone set " + u(s.Value)
+	case NFProto:
+		if s.Family == rules.V4 {
+			return "meta nfproto ipv4"
+		}
+		return "meta nfproto ipv6"
 	}
 	return fmt.Sprintf("<unknown statement %d>", s.Kind)
 }

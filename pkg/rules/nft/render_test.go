@@ -96,11 +96,40 @@ func TestRuleText(t *testing.T) {
 var KnownDifferences = map[string]string{}
 
 // TestRenderMatchesIstio loads the rendered script and Istio's golden into two fresh
-// namespaces and compares what the kernel holds.
+// namespaces and compares what the kernel holds, but for the rules that let an
+// uncaptured family pass (withoutUncaptured).
 func TestRenderMatchesIstio(t *testing.T) {
 	nfttest.Conformance(t, "rendered script", KnownDifferences, func(t *testing.T, netns string, rs *rules.Ruleset) {
-		nfttest.Load(t, netns, nft.Render(rs))
+		nfttest.Load(t, netns, nft.Render(withoutUncaptured(t, rs)))
 	})
+}
+
+// withoutUncaptured returns rs without meshcni's rules for an uncaptured family
+// (rules.Rule.Uncaptured: in the inet view, `meta nfproto ipv6 return` first in each
+// base chain of an IPv4-only ruleset), which Istio's native nftables mode does not
+// write: it captures the IPv6 of an IPv4-only pod in its inet tables, where
+// istio-iptables writes no IPv6 rule (docs/conformance.md). It fails the test when
+// the case's ruleset has no such rule although IPv6 is not captured.
+func withoutUncaptured(t *testing.T, rs *rules.Ruleset) *rules.Ruleset {
+	t.Helper()
+	out := *rs
+	out.Tables = nil
+	dropped := 0
+	for _, tb := range rs.Tables {
+		kept := &rules.Table{Name: tb.Name}
+		for _, op := range tb.Ops {
+			if op.Rule.Uncaptured {
+				dropped++
+				continue
+			}
+			kept.Ops = append(kept.Ops, op)
+		}
+		out.Tables = append(out.Tables, kept)
+	}
+	if !rs.Families.Has(rules.V6) && dropped == 0 {
+		t.Errorf("IPv6 is not captured, yet the ruleset has no rule letting it pass")
+	}
+	return &out
 }
 
 // TestRenderIdempotent loads the script twice, and a different ruleset over it.
