@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"os"
 	"sync"
@@ -14,9 +15,8 @@ import (
 )
 
 // The package installs Istio (and meshcni) once: the first test that needs it calls
-// up, TestMain removes it after the last test (istio.Down) when the test bed outlives
-// the test binary (one started by `hack/testbed up`); a test bed this binary started
-// is stopped whole by testbed.RunMain.
+// up; after the last test, TestMain removes both (istio.Down) before the shared test
+// bed stops.
 var (
 	upOnce   sync.Once
 	upErr    error
@@ -27,31 +27,19 @@ var (
 )
 
 func TestMain(m *testing.M) {
-	code := testbed.RunMain(m)
-	if upNeeded {
-		if err := downIfAttached(); err != nil {
-			slog.Error("istio down", "err", err)
-			if code == 0 {
-				code = 1
-			}
+	os.Exit(testbed.RunMainThen(m, func(tb *testbed.Testbed) error {
+		if !upNeeded {
+			return nil
 		}
-	}
-	os.Exit(code)
-}
-
-// downIfAttached removes Istio and meshcni from a test bed that is still running
-// after the tests (one this binary attached to).
-func downIfAttached() error {
-	if _, _, ok := testbed.Running(); !ok {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+		defer cancel()
+		began := time.Now()
+		if err := istio.Down(ctx, tb, istio.Options{RepoRoot: upRoot}); err != nil {
+			return fmt.Errorf("istio down: %w", err)
+		}
+		slog.Info("istio and meshcni removed", "took", time.Since(began).Round(time.Millisecond))
 		return nil
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	tb, err := testbed.Attach(ctx)
-	if err != nil {
-		return err
-	}
-	return istio.Down(ctx, tb, istio.Options{RepoRoot: upRoot})
+	}))
 }
 
 // up returns the shared test bed with Istio and meshcni installed, installing them
