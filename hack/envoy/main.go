@@ -38,8 +38,11 @@ func run(ctx context.Context, argv []string) error {
 	var mu sync.Mutex
 	enc := json.NewEncoder(os.Stdout)
 	dual, _ := strconv.ParseBool(os.Getenv("ISTIO_DUAL_STACK"))
+	// istiod makes Envoy's inbound listener transparent for a proxy whose node
+	// metadata says INTERCEPTION_MODE TPROXY; pilot-agent takes it from this variable.
+	tproxy := os.Getenv("ISTIO_META_INTERCEPTION_MODE") == "TPROXY"
 	e, err := proxysim.NewEnvoy(proxysim.EnvoyConfig{
-		Args: args, DualStack: dual, Logger: log,
+		Args: args, DualStack: dual, TPROXY: tproxy, Logger: log,
 		OnRecord: func(r proxysim.Record) {
 			mu.Lock()
 			defer mu.Unlock()

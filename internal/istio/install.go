@@ -30,8 +30,15 @@ const (
 	IstiodRelease  = "istiod"
 	IstiodName     = "istiod"
 	IstiodHost     = "istiod.istio-system.svc"
-	hostAliasesTpl = "meshcni-testbed-hostaliases"
+	hostAliasesTpl = HostAliasesTemplate
 )
+
+// HostAliasesTemplate is the injection template Values adds (listed in
+// defaultTemplates, which the webhook applies): hostAliases for IstiodHost on the node
+// IP. `istioctl kube-inject` applies only the "sidecar" template unless the pod's
+// inject.istio.io/templates annotation names others, so offline injection on the test
+// bed names both there.
+const HostAliasesTemplate = "meshcni-testbed-hostaliases"
 
 // Options configure Up and Down.
 type Options struct {

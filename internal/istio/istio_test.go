@@ -72,3 +72,47 @@ func TestPinnedVersion(t *testing.T) {
 		}
 	}
 }
+
+// TestDocNamesEveryE2ETest: docs/istio.md's "What the tests prove" names every test of
+// internal/istio/e2e, so a proof added there is described (and a removed one is not
+// left claimed in the compatibility table's summary).
+func TestDocNamesEveryE2ETest(t *testing.T) {
+	root, err := reporoot.Find()
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc, err := os.ReadFile(filepath.Join(root, "docs", "istio.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(doc), "\n## What the tests prove\n")
+	section, _, _ = strings.Cut(section, "\n## ")
+	if !ok {
+		t.Fatal(`docs/istio.md has no "What the tests prove" section`)
+	}
+	files, err := filepath.Glob(filepath.Join(root, "internal", "istio", "e2e", "*_test.go"))
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no e2e test files: %v", err)
+	}
+	tests := 0
+	for _, f := range files {
+		src, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range strings.Split(string(src), "\n") {
+			name, ok := strings.CutPrefix(line, "func Test")
+			if !ok || strings.HasPrefix(name, "Main(") {
+				continue
+			}
+			name, _, _ = strings.Cut(name, "(")
+			tests++
+			if !strings.Contains(section, "`Test"+name+"`") {
+				t.Errorf("docs/istio.md's \"What the tests prove\" does not name `Test%s` (%s)", name, filepath.Base(f))
+			}
+		}
+	}
+	if tests == 0 {
+		t.Error("found no test in internal/istio/e2e")
+	}
+}

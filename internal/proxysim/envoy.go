@@ -100,8 +100,13 @@ type EnvoyConfig struct {
 	// DualStack listens for capture on IPv4 and IPv6 (pilot-agent's
 	// ISTIO_DUAL_STACK); otherwise the family of --local-address-ip-version.
 	DualStack bool
-	Logger    *slog.Logger
-	OnRecord  func(Record)
+	// TPROXY makes the inbound capture listener transparent (IP_TRANSPARENT, needs
+	// CAP_NET_ADMIN) and takes the original destination from the accepted socket's
+	// local address, as Envoy's virtual inbound listener does when istiod configures
+	// it for a TPROXY proxy (pilot-agent's ISTIO_META_INTERCEPTION_MODE=TPROXY).
+	TPROXY   bool
+	Logger   *slog.Logger
+	OnRecord func(Record)
 }
 
 // Envoy is a running Envoy face.
@@ -134,6 +139,7 @@ func NewEnvoy(cfg EnvoyConfig) (*Envoy, error) {
 		IPv6:            cfg.DualStack || cfg.Args.IPVersion == "v6",
 		InboundSourceV4: netip.AddrFrom4([4]byte{127, 0, 0, 6}),
 		InboundSourceV6: netip.MustParseAddr("::6"),
+		TPROXY:          cfg.TPROXY,
 		Logger:          cfg.Logger,
 		OnRecord:        cfg.OnRecord,
 	}
@@ -186,7 +192,7 @@ func (e *Envoy) Run(ctx context.Context) error {
 		go e.runSDS(ctx)
 	}
 	e.log.Info("envoy stand-in started", "bootstrap", e.Args.ConfigPath, "node", e.Bootstrap.Node.ID,
-		"admin", e.Bootstrap.Admin, "health", e.Bootstrap.Health, "xds", e.Bootstrap.XDSPath, "ignored_flags", e.Args.Ignored)
+		"admin", e.Bootstrap.Admin, "health", e.Bootstrap.Health, "xds", e.Bootstrap.XDSPath, "tproxy", e.cfg.TPROXY, "ignored_flags", e.Args.Ignored)
 	select {
 	case <-ctx.Done():
 		return nil

@@ -25,7 +25,12 @@ var (
 //	func TestMain(m *testing.M) { os.Exit(testbed.RunMain(m)) }
 //
 // Without it, Shared stops the test bed at the end of the test that started it.
-func RunMain(m *testing.M) int {
+func RunMain(m *testing.M) int { return RunMainThen(m, nil) }
+
+// RunMainThen is RunMain that calls then with the shared test bed, when the tests used
+// one, after the last test and before the test bed stops (to uninstall what the
+// package's tests shared, say); an error from it fails the run.
+func RunMainThen(m *testing.M, then func(*Testbed) error) int {
 	sharedMu.Lock()
 	mainWraps = true
 	sharedMu.Unlock()
@@ -34,6 +39,14 @@ func RunMain(m *testing.M) int {
 	tb := sharedTB
 	sharedTB = nil
 	sharedMu.Unlock()
+	if tb != nil && then != nil {
+		if err := then(tb); err != nil {
+			slog.Error("after the tests", "err", err)
+			if code == 0 {
+				code = 1
+			}
+		}
+	}
 	if tb != nil {
 		if err := tb.Stop(context.Background()); err != nil {
 			slog.Error("stop shared test bed", "err", err)

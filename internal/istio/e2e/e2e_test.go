@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -15,10 +14,7 @@ import (
 	"github.com/meshcni/meshcni/internal/istio"
 	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/testbed"
-	"github.com/meshcni/meshcni/internal/testutil"
 )
-
-func TestMain(m *testing.M) { os.Exit(testbed.RunMain(m)) }
 
 const namespace = "istio-e2e"
 
@@ -28,35 +24,9 @@ const namespace = "istio-e2e"
 // original destination and arrives at the server's proxy on 15006. meshcnictl takes
 // the injected istio-validation arguments unchanged (checkDropIn).
 func TestRealIstio(t *testing.T) {
-	testutil.RequireRoot(t)
-	testutil.RequireBinary(t, "go")
-	testutil.RequireBinary(t, "ctr")
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	tb := up(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	if _, err := istio.Lookup(ctx); err != nil {
-		testutil.Missing(t, "%v", err)
-	}
-	root, err := testbed.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	tb := testbed.Shared(t)
-	began := time.Now()
-	inst, err := istio.Up(ctx, tb, istio.Options{RepoRoot: root})
-	if inst != nil {
-		for _, s := range inst.Steps {
-			t.Logf("%8s  %s", s.Took.Round(time.Millisecond), s.Name)
-		}
-	}
-	t.Cleanup(func() {
-		if err := istio.Down(context.Background(), tb, istio.Options{RepoRoot: root}); err != nil {
-			t.Errorf("istio down: %v", err)
-		}
-	})
-	if err != nil {
-		t.Fatalf("istio up: %v", err)
-	}
-	t.Logf("istio %s (%s) and meshcni up in %s", inst.Build.Version, inst.Build.Release, time.Since(began).Round(time.Millisecond))
 
 	t.Cleanup(func() {
 		if err := istio.DeleteNamespace(context.Background(), tb, namespace); err != nil {
@@ -175,7 +145,7 @@ func standInLog(logs, msg string) []logLine {
 // received the workload certificate istiod signed for the pod's service account.
 func checkProxyLog(ctx context.Context, t *testing.T, tb *testbed.Testbed, p *corev1.Pod) {
 	t.Helper()
-	logs, err := tb.PodLogs(ctx, namespace, p.Name, "istio-proxy")
+	logs, err := tb.PodLogs(ctx, p.Namespace, p.Name, "istio-proxy")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -187,7 +157,7 @@ func checkProxyLog(ctx context.Context, t *testing.T, tb *testbed.Testbed, p *co
 		}
 		return false
 	}
-	spiffe := "spiffe://cluster.local/ns/" + namespace + "/sa/default"
+	spiffe := "spiffe://cluster.local/ns/" + p.Namespace + "/sa/default"
 	for _, c := range []struct {
 		msg, key string
 		want     any

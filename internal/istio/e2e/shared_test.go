@@ -1,0 +1,90 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/meshcni/meshcni/internal/istio"
+	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/internal/testutil"
+)
+
+// The package installs Istio (and meshcni) once: the first test that needs it calls
+// up; after the last test, TestMain removes both (istio.Down) before the shared test
+// bed stops.
+var (
+	upOnce   sync.Once
+	upErr    error
+	upInst   *istio.Installed
+	upTook   time.Duration
+	upRoot   string
+	upNeeded bool
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(testbed.RunMainThen(m, func(tb *testbed.Testbed) error {
+		if !upNeeded {
+			return nil
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+		defer cancel()
+		began := time.Now()
+		if err := istio.Down(ctx, tb, istio.Options{RepoRoot: upRoot}); err != nil {
+			return fmt.Errorf("istio down: %w", err)
+		}
+		slog.Info("istio and meshcni removed", "took", time.Since(began).Round(time.Millisecond))
+		return nil
+	}))
+}
+
+// up returns the shared test bed with Istio and meshcni installed, installing them
+// on first use. It skips (fails under CI=true) without root, go, ctr or the Istio
+// build.
+func up(t *testing.T) *testbed.Testbed {
+	t.Helper()
+	testutil.RequireRoot(t)
+	testutil.RequireBinary(t, "go")
+	testutil.RequireBinary(t, "ctr")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	if _, err := istio.Lookup(ctx); err != nil {
+		testutil.Missing(t, "%v", err)
+	}
+	tb := testbed.Shared(t)
+	upOnce.Do(func() {
+		upNeeded = true
+		if upRoot, upErr = testbed.RepoRoot(); upErr != nil {
+			return
+		}
+		began := time.Now()
+		upInst, upErr = istio.Up(ctx, tb, istio.Options{RepoRoot: upRoot})
+		upTook = time.Since(began)
+		if upInst != nil {
+			for _, s := range upInst.Steps {
+				t.Logf("%8s  %s", s.Took.Round(time.Millisecond), s.Name)
+			}
+		}
+		if upErr == nil {
+			t.Logf("istio %s (%s) and meshcni up in %s", upInst.Build.Version, upInst.Build.Release, upTook.Round(time.Millisecond))
+		}
+	})
+	if upErr != nil {
+		t.Fatalf("istio up: %v", upErr)
+	}
+	return tb
+}
+
+// useNamespace deletes the namespace (and waits until it is gone) when the test ends.
+func useNamespace(t *testing.T, tb *testbed.Testbed, ns string) {
+	t.Helper()
+	t.Cleanup(func() {
+		if err := istio.DeleteNamespace(context.Background(), tb, ns); err != nil {
+			t.Error(err)
+		}
+	})
+}
