@@ -70,6 +70,26 @@ func TestHelmInstall(t *testing.T) {
 	createNamespace(ctx, t, tb, installNamespace)
 	before := cniSnapshot(t)
 
+	// A meshed pod started before meshcni is installed: its validation init container
+	// finds no redirect (exit 126). Once installed, the agent repairs it in place, which
+	// enters the pod's netns (setns) under the agent's seccomp profile.
+	createNamespace(ctx, t, tb, streamNamespace)
+	if _, err := tb.CreatePod(ctx, validatedPod("repair-me", img.Ref)); err != nil {
+		t.Fatal(err)
+	}
+	if err := poll(ctx, time.Minute, func() error {
+		p, err := tb.Client.CoreV1().Pods(streamNamespace).Get(ctx, "repair-me", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		if c := validationExit(p); c != 126 {
+			return fmt.Errorf("istio-validation exit code %d", c)
+		}
+		return nil
+	}); err != nil {
+		t.Fatalf("the pod started before meshcni should fail its validation: %v", err)
+	}
+
 	run := func(args ...string) string {
 		t.Helper()
 		cmd := exec.CommandContext(ctx, helm, args...)
@@ -134,11 +154,17 @@ func TestHelmInstall(t *testing.T) {
 		resp.Body.Close()
 		t.Errorf("agent answers on 127.0.0.1:9807 (%s): it should listen on the node's IP only", resp.Status)
 	}
+	if a := auditPods(ctx, t, tb, []string{"repair-me"}, 2*time.Minute); len(a.redirected) != 1 {
+		t.Errorf("the pod started before meshcni: %+v, want it repaired in place and redirected", a)
+	}
+	if m := agentMetrics(t); !strings.Contains(m, `meshcni_repairs_total{action="repair",result="success"} 1`) {
+		t.Errorf("agent metrics: no successful in-place repair counted:\n%s", grepLines(m, "meshcni_repairs_total"))
+	}
+	deleteStream(ctx, t, tb)
 
 	// helm upgrade changes the pod template: the DaemonSet rolls, the node keeps one
 	// entry. Meshed pods are created all along; each one that started is audited from
 	// the node.
-	createNamespace(ctx, t, tb, streamNamespace)
 	upgrade := func(what string, stream bool, sets ...string) audit {
 		t.Helper()
 		old := agentPodNames(ctx, t, tb)
@@ -254,6 +280,31 @@ func checkInstalled(t *testing.T) {
 	if resp.StatusCode != http.StatusOK {
 		t.Errorf("agent /readyz: %s %s", resp.Status, body)
 	}
+}
+
+// agentMetrics scrapes the agent's /metrics on the node's IP.
+func agentMetrics(t *testing.T) string {
+	t.Helper()
+	resp, err := http.Get("http://" + testbed.NodeIP + ":9807/metrics")
+	if err != nil {
+		t.Fatalf("agent /metrics: %v", err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+func grepLines(s, sub string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
 }
 
 // cniSnapshot lists the node's CNI directories: names, sizes and configuration content.

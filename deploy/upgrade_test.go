@@ -14,6 +14,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/meshcni/meshcni/internal/build/image"
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
@@ -39,6 +40,38 @@ func meshedPod(name string) *corev1.Pod {
 		Env: []corev1.EnvVar{{Name: "PORT", Value: "15021"}},
 	})
 	return p
+}
+
+// validatedPod is meshedPod with Istio's validation init container (meshcnictl validate
+// from the meshcni image, UID 1337, no capabilities): started before meshcni is in the
+// chain, it exits 126 until the repair controller applies its redirect in place.
+func validatedPod(name, meshcniImage string) *corev1.Pod {
+	p := meshedPod(name)
+	p.Annotations[podspec.AnnotationStatus] = `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`
+	uid, no, yes := int64(1337), false, true
+	p.Spec.InitContainers = []corev1.Container{{
+		Name: "istio-validation", Image: meshcniImage, ImagePullPolicy: corev1.PullNever,
+		Command: []string{image.PathInImage("meshcnictl"), "validate", "--probe-timeout=1s"},
+		SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid, RunAsNonRoot: &yes, AllowPrivilegeEscalation: &no,
+			ReadOnlyRootFilesystem: &yes, Capabilities: &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}}},
+	}}
+	return p
+}
+
+// validationExit is the last exit code of the pod's istio-validation container (-1: none).
+func validationExit(p *corev1.Pod) int32 {
+	for _, s := range p.Status.InitContainerStatuses {
+		if s.Name != "istio-validation" {
+			continue
+		}
+		if t := s.State.Terminated; t != nil {
+			return t.ExitCode
+		}
+		if t := s.LastTerminationState.Terminated; t != nil {
+			return t.ExitCode
+		}
+	}
+	return -1
 }
 
 // podStream creates a meshed pod every interval until stop is called; stop returns the
