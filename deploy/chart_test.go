@@ -3,7 +3,9 @@ package deploy_test
 import (
 	"fmt"
 	"io"
+	"net"
 	"os"
+	"reflect"
 	"regexp"
 	"slices"
 	"sort"
@@ -72,20 +74,38 @@ func envOf(c corev1.Container) map[string]corev1.EnvVar {
 	return m
 }
 
+// Stand-ins for the downward API's status.hostIP and status.podIP.
+const (
+	standInHostIP = "192.0.2.10"
+	standInPodIP  = "198.51.100.7"
+)
+
+// envRef is a $(VAR) reference in an env value, which the kubelet expands from the
+// variables defined before it.
+var envRef = regexp.MustCompile(`\$\(([A-Za-z_][A-Za-z0-9_]*)\)`)
+
 // getenv turns a container's env into what the process would see: downward-API values
-// become plausible stand-ins.
+// become plausible stand-ins, $(VAR) references to earlier variables are expanded.
 func getenv(t testing.TB, c corev1.Container) func(string) string {
 	t.Helper()
 	m := map[string]string{}
 	for _, e := range c.Env {
 		switch {
 		case e.ValueFrom == nil:
-			m[e.Name] = e.Value
+			m[e.Name] = envRef.ReplaceAllStringFunc(e.Value, func(ref string) string {
+				v, ok := m[ref[2:len(ref)-1]]
+				if !ok {
+					t.Fatalf("%s=%s: $(%s) is not defined before it", e.Name, e.Value, ref[2:len(ref)-1])
+				}
+				return v
+			})
 		case e.ValueFrom.FieldRef != nil:
 			m[e.Name] = map[string]string{
 				"metadata.name":      "meshcni-agent-x7k2p",
 				"metadata.namespace": namespace,
 				"spec.nodeName":      "node-1",
+				"status.hostIP":      standInHostIP,
+				"status.podIP":       standInPodIP,
 			}[e.ValueFrom.FieldRef.FieldPath]
 			if m[e.Name] == "" {
 				t.Fatalf("%s: unexpected fieldRef %s", e.Name, e.ValueFrom.FieldRef.FieldPath)
@@ -230,8 +250,12 @@ func (c *chart) checkAgent(t *testing.T) {
 	if cfg.PodName == "" || cfg.PodNamespace != namespace || cfg.NodeName == "" {
 		t.Errorf("agent downward API: pod %q/%q node %q", cfg.PodNamespace, cfg.PodName, cfg.NodeName)
 	}
-	// Probes on the health address.
-	port := strings.TrimPrefix(cfg.HealthAddr, ":")
+	// Probes on the health address: the agent is host-network, so kubelet probes the
+	// node's IP unless the probe names the host the server listens on.
+	host, port, err := net.SplitHostPort(cfg.HealthAddr)
+	if err != nil {
+		t.Fatalf("agent health addr %q: %v", cfg.HealthAddr, err)
+	}
 	if len(ct.Ports) != 1 || fmt.Sprint(ct.Ports[0].ContainerPort) != port || ct.Ports[0].Name != "metrics" {
 		t.Errorf("agent ports %+v, health addr %q", ct.Ports, cfg.HealthAddr)
 	}
@@ -241,8 +265,30 @@ func (c *chart) checkAgent(t *testing.T) {
 	}{{ct.ReadinessProbe, "/readyz"}, {ct.LivenessProbe, "/healthz"}} {
 		if p.probe == nil || p.probe.HTTPGet == nil || p.probe.HTTPGet.Path != p.path || p.probe.HTTPGet.Port.String() != "metrics" {
 			t.Errorf("agent probe for %s: %+v", p.path, p.probe)
+			continue
+		}
+		probed := p.probe.HTTPGet.Host
+		if probed == "" {
+			probed = standInHostIP // a host-network pod's IP is the node's
+		}
+		if ip := net.ParseIP(host); host != probed && host != "" && !(ip != nil && ip.IsUnspecified()) {
+			t.Errorf("agent probe for %s asks %s, the server listens on %s", p.path, probed, host)
 		}
 	}
+	// Seccomp: the runtime's default profile for the whole pod.
+	if sc := ps.SecurityContext; sc == nil || sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		t.Errorf("agent pod seccomp profile: %+v, want RuntimeDefault", sc)
+	}
+	// SYS_PTRACE only where it is used: finding pods' netns through the host's /proc.
+	if sc := ct.SecurityContext; sc != nil && sc.Capabilities != nil {
+		ptrace := slices.Contains(sc.Capabilities.Add, corev1.Capability("SYS_PTRACE"))
+		if usesProc := ps.HostPID && cfg.Repair && cfg.RepairAction == repair.ActionRepair; ptrace != usesProc {
+			t.Errorf("agent SYS_PTRACE %v, hostPID %v, repair %v %s: want SYS_PTRACE exactly with repair in place through the host's /proc",
+				ptrace, ps.HostPID, cfg.Repair, cfg.RepairAction)
+		}
+	}
+	// keepOnUpgrade auto: the agent names its DaemonSet, and may read it (and nothing more).
+	c.checkExitRBAC(t, cfg)
 	// The node's directories are mounted at the same paths: the plugin entry names them.
 	vols := map[string]corev1.Volume{}
 	for _, v := range ps.Volumes {
@@ -279,6 +325,37 @@ func (c *chart) checkAgent(t *testing.T) {
 	}
 }
 
+// checkExitRBAC: with --keep-on-exit auto the agent reads exactly its own DaemonSet,
+// through a Role in the release namespace that grants get on that name only.
+func (c *chart) checkExitRBAC(t *testing.T, cfg *agent.Config) {
+	t.Helper()
+	role := c.find("Role", c.agent.Name)
+	if cfg.KeepOnExit != agent.KeepAuto {
+		if role != nil || cfg.DaemonSetName != "" {
+			t.Errorf("--keep-on-exit %s with a DaemonSet name %q and Role %v", cfg.KeepOnExit, cfg.DaemonSetName, role != nil)
+		}
+		return
+	}
+	if cfg.DaemonSetName != c.agent.Name || cfg.PodNamespace != c.agent.Namespace {
+		t.Errorf("--daemonset-name %q in %q, the agent's DaemonSet is %s/%s", cfg.DaemonSetName, cfg.PodNamespace, c.agent.Namespace, c.agent.Name)
+	}
+	if role == nil {
+		t.Fatalf("no Role %s for --keep-on-exit auto", c.agent.Name)
+	}
+	want := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{c.agent.Name}, Verbs: []string{"get"}}}
+	if r := typed[rbacv1.Role](t, role); !reflect.DeepEqual(r.Rules, want) {
+		t.Errorf("Role %s rules %+v, want %+v", c.agent.Name, r.Rules, want)
+	}
+	rb := c.find("RoleBinding", c.agent.Name)
+	if rb == nil {
+		t.Fatalf("no RoleBinding %s", c.agent.Name)
+	}
+	b := typed[rbacv1.RoleBinding](t, rb)
+	if b.RoleRef.Kind != "Role" || b.RoleRef.Name != c.agent.Name || len(b.Subjects) != 1 || b.Subjects[0].Name != c.agent.Spec.Template.Spec.ServiceAccountName {
+		t.Errorf("RoleBinding %s: %+v", c.agent.Name, b)
+	}
+}
+
 func (c *chart) checkTaint(t *testing.T) {
 	t.Helper()
 	if c.taint == nil {
@@ -297,7 +374,7 @@ func (c *chart) checkTaint(t *testing.T) {
 	}
 	known := taintEnvNames(t)
 	for _, e := range ct.Env {
-		if e.Name != "POD_NAMESPACE" && !known[e.Name] && e.Name != "KUBERNETES_SERVICE_HOST" && e.Name != "KUBERNETES_SERVICE_PORT" {
+		if e.Name != "POD_NAMESPACE" && e.Name != "POD_IP" && !known[e.Name] && e.Name != "KUBERNETES_SERVICE_HOST" && e.Name != "KUBERNETES_SERVICE_PORT" {
 			t.Errorf("taint controller env %s: meshcni-taint-controller has no such flag", e.Name)
 		}
 	}
@@ -336,9 +413,15 @@ func (c *chart) checkTaint(t *testing.T) {
 	if !tolerates(ps.Tolerations, corev1.Taint{Key: taint.TaintKey, Effect: taint.TaintEffect}) {
 		t.Errorf("taint controller does not tolerate its own taint: %+v", ps.Tolerations)
 	}
-	port := strings.TrimPrefix(cfg.HealthAddr, ":")
+	host, port, err := net.SplitHostPort(cfg.HealthAddr)
+	if err != nil || host != standInPodIP {
+		t.Errorf("taint controller health addr %q: %v, want the pod's IP %s (kubelet probes it there)", cfg.HealthAddr, err, standInPodIP)
+	}
 	if len(ct.Ports) != 1 || fmt.Sprint(ct.Ports[0].ContainerPort) != port {
 		t.Errorf("taint controller ports %+v, health addr %q", ct.Ports, cfg.HealthAddr)
+	}
+	if sc := ps.SecurityContext; sc == nil || sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		t.Errorf("taint controller pod seccomp profile: %+v, want RuntimeDefault", sc)
 	}
 	if ct.ReadinessProbe == nil || ct.ReadinessProbe.HTTPGet.Path != "/readyz" || ct.LivenessProbe == nil || ct.LivenessProbe.HTTPGet.Path != "/healthz" {
 		t.Errorf("taint controller probes %+v %+v", ct.ReadinessProbe, ct.LivenessProbe)

@@ -1,12 +1,14 @@
 package deploy_test
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/repair"
 	"github.com/meshcni/meshcni/pkg/taint"
 )
@@ -40,8 +42,16 @@ func matrix() []matrixCase {
 			}
 			a := c.agentC
 			if !a.Chained || a.CNIBinDir != "/opt/cni/bin" || a.CNIConfDir != "/etc/cni/net.d" || a.RunDir != "/var/run/meshcni" ||
-				a.Backend != "auto" || a.HealthAddr != ":9807" || a.KeepOnExit || strings.Join(a.ExcludeNamespaces, ",") != "kube-system" {
+				a.Backend != "auto" || a.KeepOnExit != agent.KeepAuto || strings.Join(a.ExcludeNamespaces, ",") != "kube-system" {
 				t.Errorf("agent config %+v", a)
+			}
+			// Health and metrics on the node's IP only, not on every interface of the node.
+			if a.HealthAddr != "["+standInHostIP+"]:9807" {
+				t.Errorf("agent health addr %q, want the node's IP %s", a.HealthAddr, standInHostIP)
+			}
+			if caps := c.agent.Spec.Template.Spec.Containers[0].SecurityContext.Capabilities; caps == nil ||
+				fmt.Sprint(caps.Drop) != "[ALL]" || fmt.Sprint(caps.Add) != "[NET_ADMIN NET_RAW SYS_ADMIN DAC_OVERRIDE]" {
+				t.Errorf("agent capabilities %+v, want ALL dropped, NET_ADMIN, NET_RAW, SYS_ADMIN, DAC_OVERRIDE added", caps)
 			}
 			if !a.Repair || a.RepairAction != repair.ActionRepair || a.RepairInitContainer != "istio-validation" || a.RepairExitCode != 126 {
 				t.Errorf("repair config %+v", a)
@@ -120,6 +130,9 @@ func matrix() []matrixCase {
 			if !c.agent.Spec.Template.Spec.HostPID || c.agentC.RepairInitContainer != "mesh-check" || c.agentC.RepairExitCode != 42 || c.agentC.RepairMessage != "no redirect.*" {
 				t.Errorf("hostPID %v, config %+v", c.agent.Spec.Template.Spec.HostPID, c.agentC)
 			}
+			if caps := c.agent.Spec.Template.Spec.Containers[0].SecurityContext.Capabilities; caps == nil || fmt.Sprint(caps.Add) != "[NET_ADMIN NET_RAW SYS_ADMIN DAC_OVERRIDE SYS_PTRACE]" {
+				t.Errorf("agent capabilities %+v, want SYS_PTRACE added for repair.hostProc", caps)
+			}
 		}},
 		{name: "repair-off", values: []string{"repair.enabled=false", "repair.hostProc=true"}, check: func(t *testing.T, c *chart) {
 			if c.agentC.Repair || c.agent.Spec.Template.Spec.HostPID || mountPaths(c)["/var/run/netns"] {
@@ -127,9 +140,13 @@ func matrix() []matrixCase {
 			}
 		}},
 		{name: "taint-off", values: []string{"taintController.enabled=false"}, check: func(t *testing.T, c *chart) {
-			for _, k := range []string{"Deployment", "Role", "RoleBinding"} {
-				if n := c.count(k); n != 0 {
-					t.Errorf("%d %s objects with the taint controller off", n, k)
+			if n := c.count("Deployment"); n != 0 {
+				t.Errorf("%d Deployments with the taint controller off", n)
+			}
+			// Only the agent's Role (its own DaemonSet, keepOnUpgrade auto) is left.
+			for _, k := range []string{"Role", "RoleBinding"} {
+				if n := c.count(k); n != 1 || c.find(k, "meshcni-agent") == nil {
+					t.Errorf("%d %s objects with the taint controller off, want only meshcni-agent's", n, k)
 				}
 			}
 			if c.count("ServiceAccount") != 1 || c.count("ClusterRole") != 1 || c.count("Service") != 1 {
@@ -165,7 +182,7 @@ func matrix() []matrixCase {
 			if sm == nil {
 				t.Fatal("no ServiceMonitor")
 			}
-			if sm.GetLabels()["release"] != "prometheus" || !strings.Contains(yamlOf(t, sm), "interval: 15s") || c.agentC.HealthAddr != ":19807" {
+			if sm.GetLabels()["release"] != "prometheus" || !strings.Contains(yamlOf(t, sm), "interval: 15s") || c.agentC.HealthAddr != "["+standInHostIP+"]:19807" {
 				t.Errorf("ServiceMonitor %s, health addr %s", yamlOf(t, sm), c.agentC.HealthAddr)
 			}
 		}},
@@ -177,11 +194,36 @@ func matrix() []matrixCase {
 				t.Errorf("agent pod %+v", ps)
 			}
 			a := c.agentC
-			if a.LogLevel.String() != "WARN" || a.PluginLogLevel != "debug" || strings.Join(a.ExcludeNamespaces, ",") != "kube-system,istio-system" || !a.KeepOnExit {
+			if a.LogLevel.String() != "WARN" || a.PluginLogLevel != "debug" || strings.Join(a.ExcludeNamespaces, ",") != "kube-system,istio-system" || a.KeepOnExit != agent.KeepAlways {
 				t.Errorf("agent config %+v", a)
 			}
 			if c.agent.Labels["app.kubernetes.io/version"] != "v1.2.3" {
 				t.Errorf("version label %q", c.agent.Labels["app.kubernetes.io/version"])
+			}
+		}},
+		{name: "keep-never", values: []string{"keepOnUpgrade=never"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.KeepOnExit != agent.KeepNever || c.find("Role", "meshcni-agent") != nil {
+				t.Errorf("keep %s, agent Role %v", c.agentC.KeepOnExit, c.find("Role", "meshcni-agent") != nil)
+			}
+		}},
+		{name: "keep-false", values: []string{"keepOnUpgrade=false"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.KeepOnExit != agent.KeepNever {
+				t.Errorf("keep %s", c.agentC.KeepOnExit)
+			}
+		}},
+		{name: "metrics-loopback", values: []string{"metrics.bindAddress=127.0.0.1"}, check: func(t *testing.T, c *chart) {
+			ct := c.agent.Spec.Template.Spec.Containers[0]
+			if c.agentC.HealthAddr != "[127.0.0.1]:9807" || ct.ReadinessProbe.HTTPGet.Host != "127.0.0.1" || ct.LivenessProbe.HTTPGet.Host != "127.0.0.1" {
+				t.Errorf("health addr %q, probes ask %q and %q", c.agentC.HealthAddr, ct.ReadinessProbe.HTTPGet.Host, ct.LivenessProbe.HTTPGet.Host)
+			}
+			if _, ok := agentEnv(c)["HOST_IP"]; ok {
+				t.Error("HOST_IP set without use")
+			}
+		}},
+		{name: "metrics-everywhere", values: []string{"metrics.bindAddress=::"}, check: func(t *testing.T, c *chart) {
+			ct := c.agent.Spec.Template.Spec.Containers[0]
+			if c.agentC.HealthAddr != "[::]:9807" || ct.ReadinessProbe.HTTPGet.Host != "" {
+				t.Errorf("health addr %q, probe asks %q", c.agentC.HealthAddr, ct.ReadinessProbe.HTTPGet.Host)
 			}
 		}},
 		{name: "api-server", values: []string{"apiServer.host=10.0.0.1"}, check: func(t *testing.T, c *chart) {
@@ -260,6 +302,9 @@ func TestSchemaRejects(t *testing.T) {
 		{"taintController.gracePeriod=soon", "at '/taintController/gracePeriod'"},
 		{"taintController.leaderElect=false", "at '/taintController/replicas'"},
 		{"apiServer.port=-1", "at '/apiServer/port'"},
+		{"keepOnUpgrade=maybe", "at '/keepOnUpgrade'"},
+		{"metrics.bindAddress=localhost", "at '/metrics/bindAddress'"},
+		{"metrics.bindAddress=", "at '/metrics/bindAddress'"},
 		{"hub=", "at '/hub'"},
 		{"tpyo=1", "additional properties 'tpyo' not allowed"},
 		{"repair.actoin=delete", "additional properties 'actoin' not allowed"},

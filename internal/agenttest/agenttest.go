@@ -203,7 +203,7 @@ func Start(t testing.TB, o Options) *Agent {
 	}
 	args = append(args, o.Args...)
 	a.keep = slices.ContainsFunc(o.Args, func(s string) bool {
-		return s == "--keep-on-exit" || s == "--keep-on-exit=true" || s == "-keep-on-exit"
+		return s == "--keep-on-exit" || s == "--keep-on-exit=true" || s == "--keep-on-exit=always" || s == "-keep-on-exit"
 	})
 
 	conf := snapshot(t, o.ConfDir)

@@ -162,7 +162,7 @@ func Down(ctx context.Context, tb *testbed.Testbed, repoRoot, helm string, timeo
 	if _, err := r.runHelm(ctx, "uninstall", Release, "--namespace", ReleaseNamespace, "--ignore-not-found", "--wait"); err != nil {
 		return err
 	}
-	// The agent removes the binary and its entry on SIGTERM (keepOnUpgrade false).
+	// The agent removes the binary and its entry on SIGTERM (its DaemonSet is gone).
 	for {
 		bin, entry, err := pluginState("")
 		if err == nil && !bin && !entry {

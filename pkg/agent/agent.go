@@ -15,6 +15,8 @@ import (
 	"os"
 	"sync"
 
+	"k8s.io/client-go/kubernetes"
+
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
 	"github.com/meshcni/meshcni/pkg/install"
@@ -41,6 +43,7 @@ type Agent struct {
 	// (nil otherwise); parts that need them add handlers before Run.
 	Pods *nodepods.Cache
 
+	kube      *Kube // nil: no API access
 	runnables []Runnable
 }
 
@@ -71,7 +74,7 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 		src = ic
 	}
 	m := NewMetrics()
-	a := &Agent{Config: cfg, Log: log, Metrics: m}
+	a := &Agent{Config: cfg, Log: log, Metrics: m, kube: opts.Kube}
 	a.Guard = &Guard{
 		Conf: confdir.Options{
 			Dir:            cfg.CNIConfDir,
@@ -111,7 +114,7 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 func (a *Agent) Add(r Runnable) { a.runnables = append(a.runnables, r) }
 
 // Run runs every part until ctx ends or one fails, then uninstalls unless
-// KeepOnExit.
+// KeepOnExit says to keep the plugin (keepOnExit).
 func (a *Agent) Run(ctx context.Context) error {
 	if err := os.MkdirAll(a.Config.RunDir, 0o755); err != nil {
 		return fmt.Errorf("run directory: %w", err)
@@ -133,10 +136,16 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	wg.Wait()
 	err := errors.Join(errs...)
-	if a.Config.KeepOnExit {
-		a.Log.Info("keeping the plugin installed on exit (--keep-on-exit)")
+	var cs kubernetes.Interface
+	if a.kube != nil {
+		cs = a.kube.Client
+	}
+	keep, why := keepOnExit(a.Config.KeepOnExit, cs, a.Config.PodNamespace, a.Config.DaemonSetName, exitRetryWait)
+	if keep {
+		a.Log.Info("keeping the plugin installed on exit", "reason", why)
 		return err
 	}
+	a.Log.Info("removing the plugin on exit", "reason", why)
 	if uerr := a.Guard.Uninstall(); uerr != nil {
 		a.Log.Error("uninstall", "err", uerr)
 		err = errors.Join(err, fmt.Errorf("uninstall: %w", uerr))

@@ -142,6 +142,12 @@ type running struct {
 
 func startAgent(t testing.TB, args []string, getenv func(string) string) *running {
 	t.Helper()
+	return startAgentKube(t, args, getenv, nil)
+}
+
+// startAgentKube is startAgent with API access through kube (nil: none).
+func startAgentKube(t testing.TB, args []string, getenv func(string) string, kube *Kube) *running {
+	t.Helper()
 	if getenv == nil {
 		getenv = func(string) string { return "" }
 	}
@@ -151,7 +157,7 @@ func startAgent(t testing.TB, args []string, getenv func(string) string) *runnin
 	}
 	r := &running{log: &syncBuffer{}, rec: &fakeRecorder{}}
 	log := slog.New(slog.NewJSONHandler(r.log, &slog.HandlerOptions{Level: cfg.LogLevel}))
-	a, err := New(cfg, log, Options{Recorder: r.rec, Getenv: getenv})
+	a, err := New(cfg, log, Options{Recorder: r.rec, Getenv: getenv, Kube: kube})
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}

@@ -39,7 +39,8 @@ type Config struct {
 	PluginLogLevel     string
 	Backend            string
 	HealthAddr         string
-	KeepOnExit         bool
+	KeepOnExit         KeepMode
+	DaemonSetName      string
 	Debounce           time.Duration
 	Resync             time.Duration
 	ConflictThreshold  int
@@ -116,7 +117,7 @@ func FlagSet() *pflag.FlagSet {
 func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() error) {
 	fs = pflag.NewFlagSet("meshcni-agent", pflag.ContinueOnError)
 	fs.SetOutput(usage)
-	var excl, logLevel string
+	var excl, logLevel, keep string
 	fs.StringVar(&c.CNIBinDir, "cni-bin-dir", "/opt/cni/bin", "CNI plugin directory of the node (GKE: /home/kubernetes/bin, k3s: /var/lib/rancher/k3s/data/current/bin)")
 	fs.StringVar(&c.CNIConfDir, "cni-conf-dir", "/etc/cni/net.d", "CNI configuration directory of the node (k3s: /var/lib/rancher/k3s/agent/etc/cni/net.d)")
 	fs.StringVar(&c.CNIConfFileName, "cni-conf-file-name", "", "primary CNI configuration file to chain into (default: the lexically first valid one, as kubelet picks)")
@@ -132,8 +133,10 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 	fs.StringVar(&logLevel, "log-level", "info", "agent log level: debug, info, warn, error")
 	fs.StringVar(&c.PluginLogLevel, "plugin-log-level", "info", "plugin log level: debug, info, warn, error")
 	fs.StringVar(&c.Backend, "backend", "auto", "plugin redirect backend: auto, nftables, iptables-nft, iptables-legacy (iptables = iptables-nft)")
-	fs.StringVar(&c.HealthAddr, "health-addr", ":9807", "listen address of /healthz, /readyz and /metrics")
-	fs.BoolVar(&c.KeepOnExit, "keep-on-exit", false, "leave binary, kubeconfig and configuration in place on exit (rolling upgrade)")
+	fs.StringVar(&c.HealthAddr, "health-addr", "127.0.0.1:9807", "listen address of /healthz, /readyz and /metrics (no authentication: a host-network agent listens on the node's IP, as the chart sets it, or loopback, not every interface)")
+	fs.StringVar(&keep, "keep-on-exit", string(KeepAuto), "on exit leave binary, kubeconfig and configuration in place: auto (when --daemonset-name still exists and is not being deleted: an upgrade or restart, not an uninstall), always, never; the flag alone means always")
+	fs.Lookup("keep-on-exit").NoOptDefVal = string(KeepAlways)
+	fs.StringVar(&c.DaemonSetName, "daemonset-name", "", "the agent's DaemonSet in --pod-namespace, which --keep-on-exit auto reads on exit")
 	fs.DurationVar(&c.Debounce, "debounce", 10*time.Millisecond, "wait after a file event before reconciling, to merge bursts")
 	fs.DurationVar(&c.Resync, "resync", 30*time.Second, "periodic full reconcile, in case an event was missed")
 	fs.IntVar(&c.ConflictThreshold, "conflict-threshold", 5, "re-injections within --conflict-window that mean another writer fights (0: never back off)")
@@ -147,6 +150,11 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 		if err := c.LogLevel.UnmarshalText([]byte(logLevel)); err != nil {
 			return fmt.Errorf("--log-level %q: want debug, info, warn or error", logLevel)
 		}
+		k, err := ParseKeepMode(keep)
+		if err != nil {
+			return err
+		}
+		c.KeepOnExit = k
 		c.ExcludeNamespaces = []string{}
 		for _, ns := range strings.Split(excl, ",") {
 			if ns = strings.TrimSpace(ns); ns != "" {

@@ -231,7 +231,7 @@ func TestParseFlags(t *testing.T) {
 	}{
 		{name: "defaults", check: func(c *Config) error {
 			if c.CNIBinDir != "/opt/cni/bin" || c.CNIConfDir != "/etc/cni/net.d" || c.RunDir != "/var/run/meshcni" || !c.Chained ||
-				c.HealthAddr != ":9807" || c.PluginBinary != "/opt/meshcni/bin/meshcni" || c.KubeconfigPath() != "/var/run/meshcni/meshcni-kubeconfig" {
+				c.HealthAddr != "127.0.0.1:9807" || c.PluginBinary != "/opt/meshcni/bin/meshcni" || c.KubeconfigPath() != "/var/run/meshcni/meshcni-kubeconfig" {
 				return fmt.Errorf("%+v", c)
 			}
 			return nil
@@ -266,7 +266,7 @@ func TestParseFlags(t *testing.T) {
 		{name: "unknown flag", args: []string{"--nope"}, wantErr: "unknown flag: --nope"},
 		{name: "Go-style single-dash flags", args: []string{"-cni-bin-dir", "/a", "-chained=false", "-keep-on-exit"}, env: map[string]string{"MESHCNI_CNI_BIN_DIR": "/b"},
 			check: func(c *Config) error {
-				if c.CNIBinDir != "/a" || c.Chained || !c.KeepOnExit {
+				if c.CNIBinDir != "/a" || c.Chained || c.KeepOnExit != KeepAlways {
 					return fmt.Errorf("%+v", c)
 				}
 				return nil

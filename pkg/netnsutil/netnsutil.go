@@ -105,24 +105,64 @@ func Exists(path string) bool {
 	return st.Type == unix.NSFS_MAGIC || st.Type == unix.PROC_SUPER_MAGIC
 }
 
+// ErrOutputLimit is wrapped by Exec's error when the program wrote more than the
+// limit to its standard output: it was killed and nothing it printed is returned.
+var ErrOutputLimit = errors.New("output limit exceeded")
+
+// MaxStderr is how much of a program's standard error Exec keeps for its error; the
+// rest is read and dropped, so a noisy program neither blocks nor fills memory.
+const MaxStderr = 64 << 10
+
 // Exec runs a program (never a shell) inside the namespace at path, with stdin and
 // extra environment, and returns its stdout. The child inherits the namespace from
-// the thread that forks it. On failure the error carries stderr.
-func Exec(ctx context.Context, path string, stdin io.Reader, env []string, prog string, args ...string) ([]byte, error) {
+// the thread that forks it. On failure the error carries stderr (its first
+// MaxStderr bytes). Standard output is read up to limit bytes: past it the program
+// is killed and the error wraps ErrOutputLimit.
+func Exec(ctx context.Context, path string, stdin io.Reader, env []string, limit int, prog string, args ...string) ([]byte, error) {
 	var out []byte
 	err := Do(path, func() error {
-		cmd := exec.CommandContext(ctx, prog, args...)
+		ctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, prog, args...) // cancel kills it (SIGKILL)
 		cmd.Stdin = stdin
 		cmd.Env = env
-		var stdout, stderr bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &stdout, &stderr
-		if err := cmd.Run(); err != nil {
-			return fmt.Errorf("%s: %w: %s", prog, err, bytes.TrimSpace(stderr.Bytes()))
+		stdout := &capped{limit: limit, over: cancel}
+		stderr := &capped{limit: MaxStderr}
+		cmd.Stdout, cmd.Stderr = stdout, stderr
+		err := cmd.Run()
+		if stdout.exceeded {
+			return fmt.Errorf("%s: %w: more than %d bytes on standard output, killed", prog, ErrOutputLimit, limit)
 		}
-		out = stdout.Bytes()
+		if err != nil {
+			return fmt.Errorf("%s: %w: %s", prog, err, bytes.TrimSpace(stderr.buf.Bytes()))
+		}
+		out = stdout.buf.Bytes()
 		return nil
 	})
 	return out, err
+}
+
+// capped keeps up to limit bytes. With over set, a write past the limit calls over
+// and fails (the copy from the program stops); without, the rest is dropped.
+type capped struct {
+	buf      bytes.Buffer
+	limit    int
+	over     func()
+	exceeded bool
+}
+
+func (c *capped) Write(p []byte) (int, error) {
+	room := c.limit - c.buf.Len()
+	if len(p) <= room {
+		return c.buf.Write(p)
+	}
+	if c.over == nil {
+		c.buf.Write(p[:max(room, 0)])
+		return len(p), nil
+	}
+	c.exceeded = true
+	c.over()
+	return 0, ErrOutputLimit
 }
 
 // InScratch runs f on a thread moved into a new, empty network namespace that

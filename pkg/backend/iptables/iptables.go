@@ -14,7 +14,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"sort"
 	"strings"
 	"sync"
@@ -27,9 +26,11 @@ import (
 
 // Backend is an iptables-legacy or iptables-nft backend.
 type Backend struct {
-	kind backend.Kind
-	mu   sync.Mutex
-	bins map[string]string // resolved program paths
+	kind      backend.Kind
+	dirs      []string // where the tools are looked up: ToolDirs
+	maxOutput int      // a tool's standard output bound: MaxOutput
+	mu        sync.Mutex
+	bins      map[string]string // resolved program paths
 }
 
 // New returns a backend of kind backend.IptablesLegacy or backend.IptablesNft.
@@ -37,7 +38,7 @@ func New(kind backend.Kind) (*Backend, error) {
 	if kind != backend.IptablesLegacy && kind != backend.IptablesNft {
 		return nil, fmt.Errorf("iptables backend: unsupported kind %q", kind)
 	}
-	return &Backend{kind: kind, bins: map[string]string{}}, nil
+	return &Backend{kind: kind, dirs: ToolDirs, maxOutput: MaxOutput, bins: map[string]string{}}, nil
 }
 
 // Kind implements backend.Backend.
@@ -58,17 +59,9 @@ func (b *Backend) program(family rules.Family, tool string) (string, error) {
 	if p, ok := b.bins[name]; ok {
 		return p, nil
 	}
-	p, err := exec.LookPath(name)
+	p, err := lookTool(name, b.dirs)
 	if err != nil {
-		for _, dir := range []string{"/usr/sbin", "/sbin", "/usr/local/sbin"} {
-			if _, serr := os.Stat(dir + "/" + name); serr == nil {
-				p, err = dir+"/"+name, nil
-				break
-			}
-		}
-	}
-	if err != nil {
-		return "", fmt.Errorf("%s backend needs %s: %w", b.kind, name, err)
+		return "", fmt.Errorf("%s backend: %w", b.kind, err)
 	}
 	b.bins[name] = p
 	return p, nil
@@ -87,7 +80,7 @@ func (b *Backend) run(ctx context.Context, netns string, family rules.Family, to
 	lock.Close()
 	defer os.Remove(lock.Name())
 	env := []string{"XTABLES_LOCKFILE=" + lock.Name(), "PATH=/usr/sbin:/usr/bin:/sbin:/bin"}
-	out, err := netnsutil.Exec(ctx, netns, strings.NewReader(stdin), env, prog, args...)
+	out, err := netnsutil.Exec(ctx, netns, strings.NewReader(stdin), env, b.maxOutput, prog, args...)
 	return string(out), err
 }
 
@@ -210,7 +203,7 @@ func (b *Backend) replace(ctx context.Context, netns string, rs *rules.Ruleset) 
 		}
 		saved, err := b.Save(ctx, netns, fam)
 		if err != nil {
-			if desired == "" && rs == nil {
+			if rs == nil && !errors.Is(err, netnsutil.ErrOutputLimit) {
 				continue // nothing to clean where the tool cannot even read
 			}
 			return rollback(fmt.Errorf("%s %s snapshot: %w", b.kind, fam, err))
