@@ -249,6 +249,25 @@ func matrix() []matrixCase {
 			}
 		}})
 	}
+	for _, m := range []string{"istio", "capture", "drop"} {
+		cases = append(cases, matrixCase{name: "ipv6-" + m, values: []string{"ipv6=" + m}, check: func(t *testing.T, c *chart) {
+			pol, err := c.agentC.RepairPolicy()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(c.agentC.IPv6) != m || string(pol.Mesh.IPv6) != m {
+				t.Errorf("agent ipv6 %q, repair %q, want %q", c.agentC.IPv6, pol.Mesh.IPv6, m)
+			}
+			// The plugin entry carries a non-default mode; the default (istio) is left out.
+			want := m
+			if m == "istio" {
+				want = ""
+			}
+			if got := c.agentC.Entry().IPv6; got != want {
+				t.Errorf("plugin entry ipv6 %q, want %q", got, want)
+			}
+		}})
+	}
 	return cases
 }
 
@@ -285,6 +304,7 @@ func TestSchemaRejects(t *testing.T) {
 	for _, tc := range []struct{ set, want string }{
 		{"backend=foo", "at '/backend': value must be one of 'auto', 'nftables', 'iptables-nft', 'iptables-legacy'"},
 		{"backend=iptables", "at '/backend'"},
+		{"ipv6=pass", "at '/ipv6': value must be one of 'istio', 'capture', 'drop'"},
 		{"repair.action=nuke", "at '/repair/action': value must be one of 'repair', 'delete', 'label'"},
 		{"repair.exitCode=300", "at '/repair/exitCode'"},
 		{"repair.initContainerName=Bad_Name", "at '/repair/initContainerName'"},

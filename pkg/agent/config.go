@@ -17,6 +17,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/repair"
+	"github.com/meshcni/meshcni/pkg/spec"
 )
 
 // KubeconfigName is the plugin kubeconfig's file name in the run directory.
@@ -35,6 +36,7 @@ type Config struct {
 	KubeconfigSource   string // the plugin's kubeconfig source; empty: in-cluster service account
 	TokenFile, CAFile  string
 	ExcludeNamespaces  []string
+	IPv6               spec.IPv6Mode // the plugin's ipv6 key; also the repair controller's
 	LogLevel           slog.Level
 	PluginLogLevel     string
 	Backend            string
@@ -78,7 +80,17 @@ func (c *Config) Entry() cniconf.PluginEntry {
 		Backend:           c.Backend,
 		Kubernetes:        cniconf.Kubernetes{Kubeconfig: c.KubeconfigPath(), CNIBinDir: c.CNIBinDir},
 		AgentPodNamespace: c.PodNamespace,
+		IPv6:              c.ipv6Key(),
 	}
+}
+
+// ipv6Key is the entry's ipv6: empty for the default (istio), so a default entry is the
+// one every agent version writes.
+func (c *Config) ipv6Key() string {
+	if c.IPv6 == spec.IPv6Istio || c.IPv6 == "" {
+		return ""
+	}
+	return string(c.IPv6)
 }
 
 // EnvPrefix prefixes the environment variable of every flag: --cni-bin-dir is
@@ -117,7 +129,7 @@ func FlagSet() *pflag.FlagSet {
 func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() error) {
 	fs = pflag.NewFlagSet("meshcni-agent", pflag.ContinueOnError)
 	fs.SetOutput(usage)
-	var excl, logLevel, keep string
+	var excl, logLevel, keep, ipv6 string
 	fs.StringVar(&c.CNIBinDir, "cni-bin-dir", "/opt/cni/bin", "CNI plugin directory of the node (GKE: /home/kubernetes/bin, k3s: /var/lib/rancher/k3s/data/current/bin)")
 	fs.StringVar(&c.CNIConfDir, "cni-conf-dir", "/etc/cni/net.d", "CNI configuration directory of the node (k3s: /var/lib/rancher/k3s/agent/etc/cni/net.d)")
 	fs.StringVar(&c.CNIConfFileName, "cni-conf-file-name", "", "primary CNI configuration file to chain into (default: the lexically first valid one, as kubelet picks)")
@@ -130,6 +142,7 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 	fs.StringVar(&c.TokenFile, "token-file", install.DefaultTokenFile, "service-account token file (in a pod)")
 	fs.StringVar(&c.CAFile, "ca-file", install.DefaultCAFile, "service-account CA file (in a pod)")
 	fs.StringVar(&excl, "exclude-namespaces", "kube-system", "comma-separated namespaces whose pods the plugin leaves alone")
+	fs.StringVar(&ipv6, "ipv6", string(spec.IPv6Istio), "IPv6 mode of meshed pods, written into the plugin entry (a pod's meshcni.io/ipv6 wins): istio (capture IPv6 only as Istio does: ISTIO_DUAL_STACK or an IPv6-only pod), capture, drop (IPv6 that is not captured is dropped)")
 	fs.StringVar(&logLevel, "log-level", "info", "agent log level: debug, info, warn, error")
 	fs.StringVar(&c.PluginLogLevel, "plugin-log-level", "info", "plugin log level: debug, info, warn, error")
 	fs.StringVar(&c.Backend, "backend", "auto", "plugin redirect backend: auto, nftables, iptables-nft, iptables-legacy (iptables = iptables-nft)")
@@ -155,6 +168,9 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 			return err
 		}
 		c.KeepOnExit = k
+		if c.IPv6, err = spec.ParseIPv6Mode("--ipv6", ipv6); err != nil {
+			return err
+		}
 		c.ExcludeNamespaces = []string{}
 		for _, ns := range strings.Split(excl, ",") {
 			if ns = strings.TrimSpace(ns); ns != "" {

@@ -70,7 +70,7 @@ func (c *Config) RepairPolicy() (repair.Policy, error) {
 		Node:     c.NodeName,
 		Action:   c.RepairAction,
 		LabelKey: c.RepairLabelKey,
-		Mesh:     podspec.Config{ExcludeNamespaces: c.ExcludeNamespaces},
+		Mesh:     podspec.Config{ExcludeNamespaces: c.ExcludeNamespaces, AgentNamespace: c.PodNamespace, IPv6: c.IPv6},
 		Criteria: repair.Criteria{InitContainer: c.RepairInitContainer},
 	}
 	var err error

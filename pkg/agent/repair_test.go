@@ -12,6 +12,7 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/repair"
+	"github.com/meshcni/meshcni/pkg/spec"
 )
 
 func TestRepairFlags(t *testing.T) {
@@ -70,6 +71,20 @@ func TestRepairFlags(t *testing.T) {
 		{name: "bad message", args: []string{"--repair-message", "(["}, wantErr: "--repair-message"},
 		{name: "relative netns dir", args: []string{"--repair-netns-dirs", "/run/netns,netns"}, wantErr: `--repair-netns-dirs: "netns": want an absolute path`},
 		{name: "bad repair bool", env: map[string]string{"MESHCNI_REPAIR": "sometimes"}, wantErr: "MESHCNI_REPAIR"},
+		// The IPv6 mode: the plugin entry's ipv6 key and the repair controller's, one setting.
+		{name: "ipv6 default", check: func(t *testing.T, c *Config) {
+			p, err := c.RepairPolicy()
+			if err != nil || c.IPv6 != spec.IPv6Istio || p.Mesh.IPv6 != spec.IPv6Istio || c.Entry().IPv6 != "" {
+				t.Fatalf("ipv6 %q, repair %q, entry %q, %v", c.IPv6, p.Mesh.IPv6, c.Entry().IPv6, err)
+			}
+		}},
+		{name: "ipv6 drop", env: map[string]string{"MESHCNI_IPV6": "drop", "MESHCNI_POD_NAMESPACE": "meshcni-system"}, check: func(t *testing.T, c *Config) {
+			p, err := c.RepairPolicy()
+			if err != nil || p.Mesh.IPv6 != spec.IPv6Drop || c.Entry().IPv6 != "drop" || p.Mesh.AgentNamespace != "meshcni-system" {
+				t.Fatalf("ipv6 %q, repair %+v, entry %q, %v", c.IPv6, p.Mesh, c.Entry().IPv6, err)
+			}
+		}},
+		{name: "bad ipv6", args: []string{"--ipv6", "pass"}, wantErr: `--ipv6`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c, err := ParseFlags(tc.args, func(k string) string { return tc.env[k] }, &bytes.Buffer{})

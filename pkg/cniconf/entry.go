@@ -26,6 +26,9 @@ type PluginEntry struct {
 	// AgentPodNamespace is the agent's own namespace: only there does the agent's
 	// pod label exempt a pod from the redirect.
 	AgentPodNamespace string `json:"agent_pod_namespace,omitempty"`
+	// IPv6 is the node's IPv6 mode (istio, capture, drop); empty: istio. A pod's
+	// meshcni.io/ipv6 annotation wins.
+	IPv6 string `json:"ipv6,omitempty"`
 }
 
 // Kubernetes is the "kubernetes" object of PluginEntry.

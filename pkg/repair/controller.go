@@ -23,7 +23,6 @@ import (
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -484,7 +483,7 @@ func (c *Controller) repairInPlace(ctx context.Context, pod *corev1.Pod) (string
 	if len(ips) == 0 {
 		return "", "", errRetry{fmt.Errorf("%w", podnetns.ErrNoPodIP)}
 	}
-	res, err := podspec.ForPod(corepod.From(pod), ips)
+	res, err := c.o.Policy.Mesh.ForPod(corepod.From(pod), ips)
 	if err != nil {
 		return "", "", fmt.Errorf("redirect spec: %w", err)
 	}
