@@ -36,8 +36,18 @@ func Inject(ctx context.Context, tb *testbed.Testbed, b Build, pod *corev1.Pod, 
 		return nil, err
 	}
 	defer os.RemoveAll(dir)
-	if err := writeInjectorFiles(ctx, tb, dir, cni); err != nil {
+	templates, err := writeInjectorFiles(ctx, tb, dir, cni)
+	if err != nil {
 		return nil, err
+	}
+	// kube-inject takes only the templates from the file, not its defaultTemplates;
+	// the annotation selects those the webhook would apply.
+	pod = pod.DeepCopy()
+	if _, ok := pod.Annotations[AnnotationTemplates]; !ok && len(templates) > 0 {
+		if pod.Annotations == nil {
+			pod.Annotations = map[string]string{}
+		}
+		pod.Annotations[AnnotationTemplates] = strings.Join(templates, ",")
 	}
 	in, err := yaml.Marshal(pod)
 	if err != nil {
@@ -67,33 +77,43 @@ func Inject(ctx context.Context, tb *testbed.Testbed, b Build, pod *corev1.Pod, 
 	return &injected, nil
 }
 
+// AnnotationTemplates selects the injector's templates for a pod.
+const AnnotationTemplates = "inject.istio.io/templates"
+
 // writeInjectorFiles writes inject.yaml, values.json (pilot.cni.enabled = cni) and
-// mesh.yaml from istiod's ConfigMaps into dir.
-func writeInjectorFiles(ctx context.Context, tb *testbed.Testbed, dir string, cni bool) error {
+// mesh.yaml from istiod's ConfigMaps into dir, and returns the injector's
+// defaultTemplates.
+func writeInjectorFiles(ctx context.Context, tb *testbed.Testbed, dir string, cni bool) ([]string, error) {
 	cms := tb.Client.CoreV1().ConfigMaps(Namespace)
 	inj, err := cms.Get(ctx, InjectorConfigMap, metav1.GetOptions{})
 	if err != nil {
-		return fmt.Errorf("injector config: %w", err)
+		return nil, fmt.Errorf("injector config: %w", err)
 	}
 	mesh, err := cms.Get(ctx, MeshConfigMap, metav1.GetOptions{})
 	if err != nil {
-		return fmt.Errorf("mesh config: %w", err)
+		return nil, fmt.Errorf("mesh config: %w", err)
 	}
 	values, err := withCNI(inj.Data["values"], cni)
 	if err != nil {
-		return err
+		return nil, err
+	}
+	var cfg struct {
+		DefaultTemplates []string `json:"defaultTemplates"`
+	}
+	if err := yaml.Unmarshal([]byte(inj.Data["config"]), &cfg); err != nil {
+		return nil, fmt.Errorf("injector config: %w", err)
 	}
 	for name, content := range map[string]string{
 		"inject.yaml": inj.Data["config"], "values.json": values, "mesh.yaml": mesh.Data["mesh"],
 	} {
 		if content == "" {
-			return fmt.Errorf("injector files: %s would be empty (ConfigMaps %s, %s)", name, InjectorConfigMap, MeshConfigMap)
+			return nil, fmt.Errorf("injector files: %s would be empty (ConfigMaps %s, %s)", name, InjectorConfigMap, MeshConfigMap)
 		}
 		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o600); err != nil {
-			return err
+			return nil, err
 		}
 	}
-	return nil
+	return cfg.DefaultTemplates, nil
 }
 
 // withCNI sets pilot.cni.enabled in the injector's values (JSON).
