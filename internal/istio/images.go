@@ -71,6 +71,17 @@ func Images(ctx context.Context, log *slog.Logger, b Build) (string, error) {
 	}
 	defer os.RemoveAll(work)
 	parts := [][]byte{[]byte(b.Dir), []byte(PilotImage + ProxyImage + AppImage)}
+	ipt, err := IptablesFiles()
+	if err != nil {
+		return "", fmt.Errorf("istio images: %w", err)
+	}
+	for _, dst := range slices.Sorted(maps.Keys(ipt)) {
+		sum, err := fileSum(ipt[dst])
+		if err != nil {
+			return "", fmt.Errorf("istio images: %w", err)
+		}
+		parts = append(parts, []byte(dst), []byte(sum))
+	}
 	bins := map[string]string{}
 	for _, name := range slices.Sorted(maps.Keys(standIns)) {
 		pkg := standIns[name]
@@ -92,7 +103,7 @@ func Images(ctx context.Context, log *slog.Logger, b Build) (string, error) {
 		return archive, nil
 	}
 	err = cachedir.Publish(dir, func(tmp string) error {
-		return ociimage.BuildArchive(ctx, filepath.Join(tmp, "images.tar"), imageOptions(b, bins)...)
+		return ociimage.BuildArchive(ctx, filepath.Join(tmp, "images.tar"), imageOptions(b, bins, ipt)...)
 	})
 	if err != nil {
 		return "", fmt.Errorf("istio images: %w", err)
@@ -101,8 +112,9 @@ func Images(ctx context.Context, log *slog.Logger, b Build) (string, error) {
 	return archive, nil
 }
 
-// imageOptions describes the three images.
-func imageOptions(b Build, bins map[string]string) []ociimage.Options {
+// imageOptions describes the three images; ipt is the host's iptables for the
+// proxyv2 image (IptablesFiles).
+func imageOptions(b Build, bins, ipt map[string]string) []ociimage.Options {
 	uid := fmt.Sprintf("%d:%d", ProxyUID, ProxyUID)
 	tmp := map[string]os.FileMode{"/tmp": os.ModeSticky | 0o777}
 	return []ociimage.Options{
@@ -113,24 +125,34 @@ func imageOptions(b Build, bins map[string]string) []ociimage.Options {
 			Entrypoint: []string{"/usr/local/bin/pilot-discovery"},
 			User:       uid,
 		},
-		{
-			Ref: ProxyImage,
-			Files: map[string]string{
-				AgentPath:         b.Bin("pilot-agent"),
-				EnvoyPath:         bins["envoy"],
-				BootstrapTmplPath: b.Bootstrap(),
-			},
-			Dirs: map[string]os.FileMode{
-				"/tmp": os.ModeSticky | 0o777, "/etc/istio/proxy": 0o777, "/var/lib/istio/data": 0o777,
-			},
-			Entrypoint: []string{AgentPath},
-		},
+		proxyImage(b, bins, ipt),
 		{
 			Ref:        AppImage,
 			Files:      map[string]string{"/echo": bins["echo"], "/proxysim": bins["proxysim"]},
 			Dirs:       tmp,
 			Entrypoint: []string{"/echo"},
 		},
+	}
+}
+
+// proxyImage is the proxyv2 stand-in: Istio's pilot-agent, the Envoy stand-in,
+// Istio's bootstrap template, and the host's iptables (for istio-init, run by the
+// injector without pilot.cni.enabled), with the xtables lock directory /run.
+func proxyImage(b Build, bins, ipt map[string]string) ociimage.Options {
+	files := map[string]string{
+		AgentPath:         b.Bin("pilot-agent"),
+		EnvoyPath:         bins["envoy"],
+		BootstrapTmplPath: b.Bootstrap(),
+	}
+	maps.Copy(files, ipt)
+	return ociimage.Options{
+		Ref:   ProxyImage,
+		Files: files,
+		Dirs: map[string]os.FileMode{
+			"/tmp": os.ModeSticky | 0o777, "/etc/istio/proxy": 0o777, "/var/lib/istio/data": 0o777, "/run": 0o755,
+		},
+		Env:        []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+		Entrypoint: []string{AgentPath},
 	}
 }
 
