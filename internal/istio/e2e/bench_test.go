@@ -61,20 +61,8 @@ func BenchmarkPodStart(b *testing.B) {
 	if _, err := istio.Lookup(ctx); err != nil {
 		testutil.Missing(b, "%v", err)
 	}
-	root, err := testbed.RepoRoot()
-	if err != nil {
-		b.Fatal(err)
-	}
-	tb := testbed.Shared(b)
-	inst, err := istio.Up(ctx, tb, istio.Options{RepoRoot: root})
-	b.Cleanup(func() {
-		if err := istio.Down(context.Background(), tb, istio.Options{RepoRoot: root}); err != nil {
-			b.Errorf("istio down: %v", err)
-		}
-	})
-	if err != nil {
-		b.Fatalf("istio up: %v", err)
-	}
+	tb := up(b) // the package's one Istio install (TestMain removes it)
+	inst := upInst
 	if err := tb.CreateNamespace(ctx, benchNamespace); err != nil {
 		b.Fatal(err)
 	}
@@ -173,15 +161,6 @@ func warmUp(ctx context.Context, b *testing.B, tb *testbed.Testbed, arms []*star
 	}
 }
 
-func initExit(p *corev1.Pod, name string) int32 {
-	for _, s := range p.Status.InitContainerStatuses {
-		if s.Name == name && s.State.Terminated != nil {
-			return s.State.Terminated.ExitCode
-		}
-	}
-	return -1
-}
-
 // runPod starts one pod of the arm, records its times, and deletes it.
 func runPod(ctx context.Context, b *testing.B, tb *testbed.Testbed, a *startArm, name string) {
 	p, t, err := startPod(ctx, tb, a, name)
@@ -262,15 +241,6 @@ func startPod(ctx context.Context, tb *testbed.Testbed, a *startArm, name string
 func proxyRunning(p *corev1.Pod) bool {
 	for _, s := range append(p.Status.InitContainerStatuses, p.Status.ContainerStatuses...) {
 		if s.Name == istio.ProxyContainer && s.State.Running != nil {
-			return true
-		}
-	}
-	return false
-}
-
-func podReady(p *corev1.Pod) bool {
-	for _, c := range p.Status.Conditions {
-		if c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue {
 			return true
 		}
 	}

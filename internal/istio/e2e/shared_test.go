@@ -45,7 +45,7 @@ func TestMain(m *testing.M) {
 // up returns the shared test bed with Istio and meshcni installed, installing them
 // on first use. It skips (fails under CI=true) without root, go, ctr or the Istio
 // build.
-func up(t *testing.T) *testbed.Testbed {
+func up(t testing.TB) *testbed.Testbed {
 	t.Helper()
 	testutil.RequireRoot(t)
 	testutil.RequireBinary(t, "go")
