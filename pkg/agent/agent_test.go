@@ -572,7 +572,7 @@ func TestTokenRotationRewritesKubeconfig(t *testing.T) {
 	if err := fileutil.WriteFileAtomic(filepath.Join(e.confDir, "10-calico.conflist"), []byte(calico), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	args := e.args("--kubeconfig-source", "") // in-cluster: token + CA
+	args := e.args("--kubeconfig-source", "", "--plugin-service-account=") // in-cluster: the agent's own token + CA
 	r := startAgent(t, args, inClusterEnv)
 	kc := filepath.Join(e.runDir, KubeconfigName)
 	eventually(t, 5*time.Second, "ready", r.a.Guard.Ready)
