@@ -142,20 +142,31 @@ type running struct {
 
 func startAgent(t testing.TB, args []string, getenv func(string) string) *running {
 	t.Helper()
-	if getenv == nil {
-		getenv = func(string) string { return "" }
+	return startAgentWith(t, args, Options{Getenv: getenv}, nil)
+}
+
+// startAgentWith starts the agent with opts (its Recorder is the test's); prepare, if
+// not nil, sees the agent before it runs.
+func startAgentWith(t testing.TB, args []string, opts Options, prepare func(*Agent)) *running {
+	t.Helper()
+	if opts.Getenv == nil {
+		opts.Getenv = func(string) string { return "" }
 	}
-	cfg, err := ParseFlags(args, getenv, os.Stderr)
+	cfg, err := ParseFlags(args, opts.Getenv, os.Stderr)
 	if err != nil {
 		t.Fatalf("ParseFlags: %v", err)
 	}
 	r := &running{log: &syncBuffer{}, rec: &fakeRecorder{}}
 	log := slog.New(slog.NewJSONHandler(r.log, &slog.HandlerOptions{Level: cfg.LogLevel}))
-	a, err := New(cfg, log, Options{Recorder: r.rec, Getenv: getenv})
+	opts.Recorder = r.rec
+	a, err := New(cfg, log, opts)
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}
 	r.a = a
+	if prepare != nil {
+		prepare(a)
+	}
 	a.Health.listening = make(chan net.Addr, 1)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
