@@ -488,7 +488,7 @@ func (c *chart) checkPluginRBAC(t *testing.T) {
 				continue
 			}
 			n++
-			if o.GetKind() != "Role" || o.GetName() != agentSA || !slices.Equal(r.ResourceNames, []string{name}) || !slices.Equal(r.Verbs, []string{"create"}) {
+			if o.GetKind() != "Role" || o.GetName() != agentSA+"-plugin-token" || !slices.Equal(r.ResourceNames, []string{name}) || !slices.Equal(r.Verbs, []string{"create"}) {
 				t.Errorf("%s %s grants %+v; want the agent's Role to create tokens of %s only", o.GetKind(), o.GetName(), r, name)
 			}
 		}
@@ -496,7 +496,7 @@ func (c *chart) checkPluginRBAC(t *testing.T) {
 	if n != 1 {
 		t.Errorf("%d grants of serviceaccounts/token, want the agent's one", n)
 	}
-	if rb := c.find("RoleBinding", agentSA); rb == nil || typed[rbacv1.RoleBinding](t, rb).Subjects[0].Name != agentSA {
+	if rb := c.find("RoleBinding", agentSA+"-plugin-token"); rb == nil || typed[rbacv1.RoleBinding](t, rb).Subjects[0].Name != agentSA {
 		t.Errorf("agent RoleBinding %s", yamlOf(t, rb))
 	}
 }

@@ -136,7 +136,7 @@ func matrix() []matrixCase {
 			// Left: the agent's and the plugin's ServiceAccounts and ClusterRoles, the
 			// agent's Role (minting the plugin's token), one Service.
 			for _, k := range []string{"Role", "RoleBinding"} {
-				if n := c.count(k); n != 1 || c.find(k, "meshcni-agent") == nil {
+				if n := c.count(k); n != 1 || c.find(k, "meshcni-agent-plugin-token") == nil {
 					t.Errorf("%d %s objects with the taint controller off, want the agent's alone", n, k)
 				}
 			}
