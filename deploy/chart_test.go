@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	admissionv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -173,6 +174,7 @@ func load(t *testing.T, values []string) *chart {
 	c.checkAgent(t)
 	c.checkTaint(t)
 	c.checkRBAC(t)
+	c.checkPolicies(t, !slices.Contains(values, "admissionPolicies.enabled=false"))
 	c.checkServices(t)
 	return c
 }
@@ -195,7 +197,7 @@ func (c *chart) checkLabels(t *testing.T) {
 			t.Errorf("%s %s: labels %v", o.GetKind(), o.GetName(), l)
 		}
 		switch o.GetKind() {
-		case "ClusterRole", "ClusterRoleBinding":
+		case "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding":
 			if o.GetNamespace() != "" {
 				t.Errorf("%s %s: cluster-scoped object with namespace %q", o.GetKind(), o.GetName(), o.GetNamespace())
 			}
@@ -501,7 +503,7 @@ func (c *chart) checkRBAC(t *testing.T) {
 	if cr == nil {
 		t.Fatal("no ClusterRole meshcni-agent")
 	}
-	want := []string{"get", "list", "watch"}
+	want := []string{"list", "watch"}
 	if c.agentC.Repair {
 		switch c.agentC.RepairAction {
 		case repair.ActionDelete:
@@ -514,6 +516,7 @@ func (c *chart) checkRBAC(t *testing.T) {
 	if got := podVerbs(typed[rbacv1.ClusterRole](t, cr)); !slices.Equal(got, want) {
 		t.Errorf("agent pod verbs %v, want %v (repair %v, action %s)", got, want, c.agentC.Repair, c.agentC.RepairAction)
 	}
+	c.checkPluginRBAC(t)
 	for _, o := range c.objs {
 		if o.GetKind() != "ClusterRole" && o.GetKind() != "Role" {
 			continue
@@ -524,6 +527,91 @@ func (c *chart) checkRBAC(t *testing.T) {
 					t.Errorf("%s %s: wildcard in %+v", o.GetKind(), o.GetName(), r)
 				}
 			}
+		}
+	}
+}
+
+// checkPluginRBAC: the plugin's ServiceAccount, the one the agent is told to mint for,
+// may get pods and nothing else; the agent may mint tokens of that ServiceAccount only.
+func (c *chart) checkPluginRBAC(t *testing.T) {
+	t.Helper()
+	name := c.agentC.PluginServiceAccount
+	sa := c.find("ServiceAccount", name)
+	if name != "meshcni-plugin" || sa == nil {
+		t.Fatalf("agent --plugin-service-account %q: rendered %v", name, sa != nil)
+	}
+	if am := typed[corev1.ServiceAccount](t, sa).AutomountServiceAccountToken; am == nil || *am {
+		t.Errorf("plugin ServiceAccount automounts its token: %v", am)
+	}
+	cr := c.find("ClusterRole", name)
+	if cr == nil {
+		t.Fatalf("no ClusterRole %s", name)
+	}
+	want := []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get"}}}
+	if got := typed[rbacv1.ClusterRole](t, cr).Rules; !reflect.DeepEqual(got, want) {
+		t.Errorf("plugin rules %+v, want get pods only", got)
+	}
+	b := c.find("ClusterRoleBinding", name)
+	if b == nil {
+		t.Fatalf("no ClusterRoleBinding %s", name)
+	}
+	if crb := typed[rbacv1.ClusterRoleBinding](t, b); crb.RoleRef.Name != name || len(crb.Subjects) != 1 || crb.Subjects[0].Name != name {
+		t.Errorf("plugin binding %+v", crb)
+	}
+	// Every grant of serviceaccounts/token in the chart: the agent's, for the plugin only.
+	agentSA := c.agent.Spec.Template.Spec.ServiceAccountName
+	n := 0
+	for _, o := range c.objs {
+		if o.GetKind() != "Role" && o.GetKind() != "ClusterRole" {
+			continue
+		}
+		for _, r := range typed[rbacv1.ClusterRole](t, o).Rules {
+			if !slices.Contains(r.Resources, "serviceaccounts/token") {
+				continue
+			}
+			n++
+			if o.GetKind() != "Role" || o.GetName() != agentSA+"-plugin-token" || !slices.Equal(r.ResourceNames, []string{name}) || !slices.Equal(r.Verbs, []string{"create"}) {
+				t.Errorf("%s %s grants %+v; want the agent's Role to create tokens of %s only", o.GetKind(), o.GetName(), r, name)
+			}
+		}
+	}
+	if n != 1 {
+		t.Errorf("%d grants of serviceaccounts/token, want the agent's one", n)
+	}
+	if rb := c.find("RoleBinding", agentSA+"-plugin-token"); rb == nil || typed[rbacv1.RoleBinding](t, rb).Subjects[0].Name != agentSA {
+		t.Errorf("agent RoleBinding %s", yamlOf(t, rb))
+	}
+}
+
+// checkPolicies: each ValidatingAdmissionPolicy has its binding (Deny) and matches the
+// rendered ServiceAccount it fences, by user name; with admission policies off, none.
+func (c *chart) checkPolicies(t *testing.T, enabled bool) {
+	t.Helper()
+	want := map[string]string{}
+	if enabled {
+		want["meshcni-agent-pods"] = "system:serviceaccount:" + namespace + ":" + c.agent.Spec.Template.Spec.ServiceAccountName
+		if c.taint != nil {
+			want["meshcni-taint-controller-nodes"] = "system:serviceaccount:" + namespace + ":" + c.taint.Spec.Template.Spec.ServiceAccountName
+		}
+	}
+	if n := c.count("ValidatingAdmissionPolicy"); n != len(want) || c.count("ValidatingAdmissionPolicyBinding") != len(want) {
+		t.Errorf("%d policies, %d bindings; want %d", n, c.count("ValidatingAdmissionPolicyBinding"), len(want))
+	}
+	for name, user := range want {
+		p := c.find("ValidatingAdmissionPolicy", name)
+		b := c.find("ValidatingAdmissionPolicyBinding", name)
+		if p == nil || b == nil {
+			t.Errorf("policy %s: %v, binding: %v", name, p != nil, b != nil)
+			continue
+		}
+		vap := typed[admissionv1.ValidatingAdmissionPolicy](t, p)
+		if vap.Spec.FailurePolicy == nil || *vap.Spec.FailurePolicy != admissionv1.Fail || len(vap.Spec.MatchConditions) != 1 ||
+			vap.Spec.MatchConditions[0].Expression != fmt.Sprintf("request.userInfo.username == %q", user) {
+			t.Errorf("policy %s: failurePolicy %v, matchConditions %+v; want Fail for user %s", name, vap.Spec.FailurePolicy, vap.Spec.MatchConditions, user)
+		}
+		vb := typed[admissionv1.ValidatingAdmissionPolicyBinding](t, b)
+		if vb.Spec.PolicyName != name || !slices.Equal(vb.Spec.ValidationActions, []admissionv1.ValidationAction{admissionv1.Deny}) {
+			t.Errorf("binding %s: %+v", name, vb.Spec)
 		}
 	}
 }

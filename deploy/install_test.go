@@ -15,7 +15,10 @@ import (
 	"testing"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/meshcni/meshcni/internal/build/image"
 	"github.com/meshcni/meshcni/internal/testbed"
@@ -117,6 +120,7 @@ func TestHelmInstall(t *testing.T) {
 	waitAgent("after helm install")
 	t.Logf("agent Ready %s after helm install", time.Since(installed).Round(time.Millisecond))
 	checkInstalled(t)
+	checkPluginKubeconfig(ctx, t)
 
 	// The taint controller runs, leads, and leaves the node untainted (its agent is Ready).
 	if err := poll(ctx, 30*time.Second, func() error {
@@ -305,6 +309,28 @@ func grepLines(s, sub string) string {
 		}
 	}
 	return strings.Join(out, "\n")
+}
+
+// checkPluginKubeconfig: the kubeconfig the agent pod wrote on the node authenticates
+// as the release's plugin ServiceAccount, bound to the node, which may get a pod but
+// not list them.
+func checkPluginKubeconfig(ctx context.Context, t *testing.T) {
+	t.Helper()
+	cfg, err := clientcmd.BuildConfigFromFlags("", "/var/run/meshcni/meshcni-kubeconfig")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u := whoAmI(ctx, t, cs)
+	if u.Username != "system:serviceaccount:"+installNamespace+":meshcni-plugin" || fmt.Sprint(u.Extra[nodeExtra]) != "["+testbed.NodeName+"]" {
+		t.Errorf("the plugin's kubeconfig authenticates as %s %v, want %s's plugin ServiceAccount on node %s", u.Username, u.Extra, installNamespace, testbed.NodeName)
+	}
+	if _, err := cs.CoreV1().Pods(installNamespace).List(ctx, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
+		t.Errorf("the plugin's kubeconfig lists pods: %v, want Forbidden", err)
+	}
 }
 
 // cniSnapshot lists the node's CNI directories: names, sizes and configuration content.

@@ -56,6 +56,9 @@ func matrix() []matrixCase {
 			if !a.Repair || a.RepairAction != repair.ActionRepair || a.RepairInitContainer != "istio-validation" || a.RepairExitCode != 126 {
 				t.Errorf("repair config %+v", a)
 			}
+			if a.PluginServiceAccount != "meshcni-plugin" || a.PluginTokenExpiration.String() != "1h0m0s" {
+				t.Errorf("plugin identity %q, token expiration %v", a.PluginServiceAccount, a.PluginTokenExpiration)
+			}
 			ps := c.agent.Spec.Template.Spec
 			if ps.PriorityClassName != "system-node-critical" || ps.HostPID {
 				t.Errorf("priority class %q, hostPID %v", ps.PriorityClassName, ps.HostPID)
@@ -143,13 +146,15 @@ func matrix() []matrixCase {
 			if n := c.count("Deployment"); n != 0 {
 				t.Errorf("%d Deployments with the taint controller off", n)
 			}
-			// Only the agent's Role (its own DaemonSet, keepOnUpgrade auto) is left.
+			// Left: the agent's and the plugin's ServiceAccounts and ClusterRoles, the
+			// agent's Roles: its own DaemonSet (keepOnUpgrade auto) and minting the
+			// plugin's token.
 			for _, k := range []string{"Role", "RoleBinding"} {
-				if n := c.count(k); n != 1 || c.find(k, "meshcni-agent") == nil {
-					t.Errorf("%d %s objects with the taint controller off, want only meshcni-agent's", n, k)
+				if n := c.count(k); n != 2 || c.find(k, "meshcni-agent") == nil || c.find(k, "meshcni-agent-plugin-token") == nil {
+					t.Errorf("%d %s objects with the taint controller off, want the agent's two", n, k)
 				}
 			}
-			if c.count("ServiceAccount") != 1 || c.count("ClusterRole") != 1 || c.count("Service") != 1 {
+			if c.count("ServiceAccount") != 2 || c.count("ClusterRole") != 2 || c.count("Service") != 1 {
 				t.Errorf("objects: %d ServiceAccounts, %d ClusterRoles, %d Services", c.count("ServiceAccount"), c.count("ClusterRole"), c.count("Service"))
 			}
 		}},
@@ -175,6 +180,11 @@ func matrix() []matrixCase {
 		{name: "taint-nodes-all", values: []string{"nodeSelector=null"}, check: func(t *testing.T, c *chart) {
 			if len(c.agent.Spec.Template.Spec.NodeSelector) != 0 || !c.taintC.NodeSelector.Empty() {
 				t.Errorf("agent nodeSelector %v, taint controller node selector %q: want every node", c.agent.Spec.Template.Spec.NodeSelector, c.taintC.NodeSelector)
+			}
+		}},
+		{name: "admission-policies-off", values: []string{"admissionPolicies.enabled=false", "plugin.tokenExpiration=10m"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.PluginTokenExpiration.String() != "10m0s" {
+				t.Errorf("plugin token expiration %v", c.agentC.PluginTokenExpiration)
 			}
 		}},
 		{name: "servicemonitor", values: []string{"metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.interval=15s", "metrics.serviceMonitor.labels.release=prometheus", "metrics.port=19807"}, check: func(t *testing.T, c *chart) {
@@ -325,6 +335,8 @@ func TestSchemaRejects(t *testing.T) {
 		{"keepOnUpgrade=maybe", "at '/keepOnUpgrade'"},
 		{"metrics.bindAddress=localhost", "at '/metrics/bindAddress'"},
 		{"metrics.bindAddress=", "at '/metrics/bindAddress'"},
+		{"plugin.tokenExpiration=1 hour", "at '/plugin/tokenExpiration'"},
+		{"admissionPolicies.enabled=maybe", "at '/admissionPolicies/enabled'"},
 		{"hub=", "at '/hub'"},
 		{"tpyo=1", "additional properties 'tpyo' not allowed"},
 		{"repair.actoin=delete", "additional properties 'actoin' not allowed"},

@@ -42,6 +42,9 @@ type Agent struct {
 	// Pods caches the node's pods when the agent has API access and knows its node
 	// (nil otherwise); parts that need them add handlers before Run.
 	Pods *nodepods.Cache
+	// PluginToken mints and renews the plugin's token (nil: the plugin's kubeconfig
+	// comes from --kubeconfig-source or the agent's own token).
+	PluginToken *PluginToken
 
 	kube      *Kube // nil: no API access
 	runnables []Runnable
@@ -63,18 +66,12 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 	if opts.Getenv == nil {
 		opts.Getenv = os.Getenv
 	}
-	var src install.KubeconfigSource
-	if cfg.KubeconfigSource != "" {
-		src = &install.FromFile{Path: cfg.KubeconfigSource}
-	} else {
-		ic, err := install.InClusterFromEnv(opts.Getenv, cfg.TokenFile, cfg.CAFile)
-		if err != nil {
-			return nil, err
-		}
-		src = ic
-	}
 	m := NewMetrics()
 	a := &Agent{Config: cfg, Log: log, Metrics: m, kube: opts.Kube}
+	src, err := a.pluginCredential(opts)
+	if err != nil {
+		return nil, err
+	}
 	a.Guard = &Guard{
 		Conf: confdir.Options{
 			Dir:            cfg.CNIConfDir,
@@ -97,6 +94,10 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 	a.Health = &HealthServer{Addr: cfg.HealthAddr, Ready: a.Guard.Ready, Metrics: m, Log: log}
 	a.Socket = &SocketServer{Path: agentsock.Path(cfg.RunDir), Log: log, Metrics: m}
 	a.runnables = []Runnable{a.Socket, a.Health, a.Guard}
+	if a.PluginToken != nil {
+		a.PluginToken.Changed = a.Guard.KubeconfigChanged
+		a.runnables = append(a.runnables, a.PluginToken)
+	}
 	if opts.Kube != nil && cfg.NodeName != "" {
 		pods, err := nodepods.New(opts.Kube.Client, cfg.NodeName, 0)
 		if err != nil {
@@ -153,4 +154,45 @@ func (a *Agent) Run(ctx context.Context) error {
 		a.Log.Info("uninstalled the plugin")
 	}
 	return err
+}
+
+// pluginCredential picks the source of the plugin's kubeconfig: --kubeconfig-source
+// (outside a pod); in a pod, a token of --plugin-service-account minted by the agent;
+// with that empty, the agent's own service-account token (warned: it can read every
+// pod and, with repair action delete or label, change them).
+func (a *Agent) pluginCredential(opts Options) (install.KubeconfigSource, error) {
+	cfg := a.Config
+	if cfg.KubeconfigSource != "" {
+		return &install.FromFile{Path: cfg.KubeconfigSource}, nil
+	}
+	ic, err := install.InClusterFromEnv(opts.Getenv, cfg.TokenFile, cfg.CAFile)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.PluginServiceAccount == "" {
+		a.Log.Warn("the plugin's kubeconfig holds the agent's own token (--plugin-service-account is empty): root on this node can use it to list every pod and, with repair action delete or label, change them; give the plugin its own ServiceAccount (docs/security.md)")
+		return ic, nil
+	}
+	why := ""
+	switch {
+	case opts.Kube == nil:
+		why = "the agent has no API access"
+	case cfg.PodNamespace == "" || cfg.NodeName == "":
+		why = "the agent's namespace or node is unknown (set --pod-namespace and --node-name from the downward API)"
+	}
+	if why != "" {
+		return nil, fmt.Errorf("the plugin's token (ServiceAccount %s) is minted through the TokenRequest API, bound to the agent's Node, but %s; outside a pod give --kubeconfig-source, or --plugin-service-account= to hand the plugin the agent's own token", cfg.PluginServiceAccount, why)
+	}
+	holder := &install.Minted{API: ic}
+	a.PluginToken = &PluginToken{
+		Client:         opts.Kube.Client,
+		Namespace:      cfg.PodNamespace,
+		ServiceAccount: cfg.PluginServiceAccount,
+		NodeName:       cfg.NodeName,
+		Expiration:     cfg.PluginTokenExpiration,
+		Holder:         holder,
+		Log:            a.Log.With("component", "plugin-token"),
+		Metrics:        a.Metrics,
+	}
+	return holder, nil
 }

@@ -142,26 +142,37 @@ type running struct {
 
 func startAgent(t testing.TB, args []string, getenv func(string) string) *running {
 	t.Helper()
-	return startAgentKube(t, args, getenv, nil)
+	return startAgentWith(t, args, Options{Getenv: getenv}, nil)
 }
 
 // startAgentKube is startAgent with API access through kube (nil: none).
 func startAgentKube(t testing.TB, args []string, getenv func(string) string, kube *Kube) *running {
 	t.Helper()
-	if getenv == nil {
-		getenv = func(string) string { return "" }
+	return startAgentWith(t, args, Options{Getenv: getenv, Kube: kube}, nil)
+}
+
+// startAgentWith starts the agent with opts (its Recorder is the test's); prepare, if
+// not nil, sees the agent before it runs.
+func startAgentWith(t testing.TB, args []string, opts Options, prepare func(*Agent)) *running {
+	t.Helper()
+	if opts.Getenv == nil {
+		opts.Getenv = func(string) string { return "" }
 	}
-	cfg, err := ParseFlags(args, getenv, os.Stderr)
+	cfg, err := ParseFlags(args, opts.Getenv, os.Stderr)
 	if err != nil {
 		t.Fatalf("ParseFlags: %v", err)
 	}
 	r := &running{log: &syncBuffer{}, rec: &fakeRecorder{}}
 	log := slog.New(slog.NewJSONHandler(r.log, &slog.HandlerOptions{Level: cfg.LogLevel}))
-	a, err := New(cfg, log, Options{Recorder: r.rec, Getenv: getenv, Kube: kube})
+	opts.Recorder = r.rec
+	a, err := New(cfg, log, opts)
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}
 	r.a = a
+	if prepare != nil {
+		prepare(a)
+	}
 	a.Health.listening = make(chan net.Addr, 1)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -578,7 +589,7 @@ func TestTokenRotationRewritesKubeconfig(t *testing.T) {
 	if err := fileutil.WriteFileAtomic(filepath.Join(e.confDir, "10-calico.conflist"), []byte(calico), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	args := e.args("--kubeconfig-source", "") // in-cluster: token + CA
+	args := e.args("--kubeconfig-source", "", "--plugin-service-account=") // in-cluster: the agent's own token + CA
 	r := startAgent(t, args, inClusterEnv)
 	kc := filepath.Join(e.runDir, KubeconfigName)
 	eventually(t, 5*time.Second, "ready", r.a.Guard.Ready)

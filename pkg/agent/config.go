@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/spf13/pflag"
+	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/flagenv"
@@ -35,22 +36,26 @@ type Config struct {
 	Kubeconfig         string // the agent's own API client; empty: in-cluster
 	KubeconfigSource   string // the plugin's kubeconfig source; empty: in-cluster service account
 	TokenFile, CAFile  string
-	ExcludeNamespaces  []string
-	IPv6               spec.IPv6Mode // the plugin's ipv6 key; also the repair controller's
-	LogLevel           slog.Level
-	PluginLogLevel     string
-	Backend            string
-	HealthAddr         string
-	KeepOnExit         KeepMode
-	DaemonSetName      string
-	Debounce           time.Duration
-	Resync             time.Duration
-	ConflictThreshold  int
-	ConflictWindow     time.Duration
-	BackoffMax         time.Duration
-	PodName            string
-	PodNamespace       string
-	NodeName           string
+	// PluginServiceAccount is the ServiceAccount whose token the plugin gets, minted by
+	// the agent (TokenRequest bound to its Node); empty: the agent's own token.
+	PluginServiceAccount  string
+	PluginTokenExpiration time.Duration
+	ExcludeNamespaces     []string
+	IPv6                  spec.IPv6Mode // the plugin's ipv6 key; also the repair controller's
+	LogLevel              slog.Level
+	PluginLogLevel        string
+	Backend               string
+	HealthAddr            string
+	KeepOnExit            KeepMode
+	DaemonSetName         string
+	Debounce              time.Duration
+	Resync                time.Duration
+	ConflictThreshold     int
+	ConflictWindow        time.Duration
+	BackoffMax            time.Duration
+	PodName               string
+	PodNamespace          string
+	NodeName              string
 
 	// The repair controller's settings (flags and checks in repair.go).
 	Repair              bool
@@ -63,6 +68,10 @@ type Config struct {
 	RepairMessage       string
 	RepairNetnsDirs     []string
 }
+
+// DefaultPluginServiceAccount is the plugin's ServiceAccount of the chart's release
+// "meshcni" (and the plain manifests).
+const DefaultPluginServiceAccount = "meshcni-plugin"
 
 // KubeconfigPath is where the plugin's kubeconfig goes.
 func (c *Config) KubeconfigPath() string { return filepath.Join(c.RunDir, KubeconfigName) }
@@ -139,6 +148,8 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 	fs.StringVar(&c.RunDir, "run-dir", "/var/run/meshcni", "run directory shared with the plugin: kubeconfig and agent socket")
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig of the agent's own API client (Events, the node's pods); default: the pod's in-cluster service account")
 	fs.StringVar(&c.KubeconfigSource, "kubeconfig-source", "", "kubeconfig to give the plugin (outside a pod); default: build one from the pod's service account")
+	fs.StringVar(&c.PluginServiceAccount, "plugin-service-account", DefaultPluginServiceAccount, "ServiceAccount (in --pod-namespace) whose token the plugin's kubeconfig holds: the agent mints it through the TokenRequest API, bound to its Node, and renews it; empty (--plugin-service-account=): the agent's own token, which can list every pod (warned at start)")
+	fs.DurationVar(&c.PluginTokenExpiration, "plugin-token-expiration", time.Hour, "lifetime requested for the plugin's token (at least 10m; the API server may shorten it); renewed at 70-80 % of the lifetime granted")
 	fs.StringVar(&c.TokenFile, "token-file", install.DefaultTokenFile, "service-account token file (in a pod)")
 	fs.StringVar(&c.CAFile, "ca-file", install.DefaultCAFile, "service-account CA file (in a pod)")
 	fs.StringVar(&excl, "exclude-namespaces", "kube-system", "comma-separated namespaces whose pods the plugin leaves alone")
@@ -232,6 +243,14 @@ func (c *Config) validate() error {
 		if d.v <= 0 && d.flag != "debounce" || d.v < 0 {
 			return fmt.Errorf("--%s %v: want a positive duration", d.flag, d.v)
 		}
+	}
+	if c.PluginServiceAccount != "" {
+		if errs := validation.IsDNS1123Subdomain(c.PluginServiceAccount); len(errs) > 0 {
+			return fmt.Errorf("--plugin-service-account %q: %s", c.PluginServiceAccount, strings.Join(errs, "; "))
+		}
+	}
+	if c.PluginTokenExpiration < MinTokenExpiration {
+		return fmt.Errorf("--plugin-token-expiration %v: want at least %v (the API server's minimum)", c.PluginTokenExpiration, MinTokenExpiration)
 	}
 	if c.ConflictThreshold < 0 {
 		return fmt.Errorf("--conflict-threshold %d: want 0 or more", c.ConflictThreshold)

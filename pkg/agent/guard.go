@@ -44,6 +44,7 @@ type Guard struct {
 	notBefore   time.Time
 	inConflict  bool
 	lastPrimary string
+	kick        chan struct{} // KubeconfigChanged's signal to Run
 }
 
 type part int
@@ -70,6 +71,25 @@ func (p part) String() string {
 
 // Name implements Runnable.
 func (g *Guard) Name() string { return "guard" }
+
+func (g *Guard) kicks() chan struct{} {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.kick == nil {
+		g.kick = make(chan struct{}, 1)
+	}
+	return g.kick
+}
+
+// KubeconfigChanged tells Run that the kubeconfig's source changed without a file event
+// (a token minted in memory): the kubeconfig, then the configuration, are reconciled
+// after the debounce.
+func (g *Guard) KubeconfigChanged() {
+	select {
+	case g.kicks() <- struct{}{}:
+	default: // one pending signal is enough
+	}
+}
 
 // Ready checks, live, that the binary, kubeconfig and configuration entry are in place
 // and valid. It updates the ready gauge.
@@ -186,6 +206,7 @@ func (g *Guard) Run(ctx context.Context) error {
 	defer resync.Stop()
 	poll := time.NewTicker(time.Second) // re-adds missing directories
 	defer poll.Stop()
+	kick := g.kicks()
 
 	arm := func() {
 		d := g.Debounce
@@ -228,6 +249,9 @@ func (g *Guard) Run(ctx context.Context) error {
 				dirty |= partConf // backed off: try again later
 				arm()
 			}
+		case <-kick:
+			dirty |= partKubeconfig | partConf
+			arm()
 		case <-resync.C:
 			dirty |= partAll
 			arm()
@@ -291,6 +315,10 @@ func (g *Guard) outcome(p part, changed bool, err error, msg string, args ...any
 	}
 	g.mu.Unlock()
 	switch {
+	case errors.Is(err, install.ErrNoToken):
+		if err.Error() != prev {
+			g.Log.Info("waiting for the plugin's token before writing its kubeconfig")
+		}
 	case err != nil:
 		g.Metrics.Installs.WithLabelValues("error").Inc()
 		if err.Error() != prev { // log each new problem once, not every resync

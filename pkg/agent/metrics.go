@@ -16,6 +16,8 @@ type Metrics struct {
 	Conflicts         *prometheus.CounterVec
 	PluginCommands    *prometheus.CounterVec
 	PluginAddDuration *prometheus.HistogramVec
+	TokenExpiry       prometheus.Gauge
+	TokenRenewals     *prometheus.CounterVec
 }
 
 // NewMetrics registers the agent's metrics in a new registry.
@@ -47,11 +49,20 @@ func NewMetrics() *Metrics {
 			Help:    "Duration of the plugin's CNI ADD, by result.",
 			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5},
 		}, []string{"result"}),
+		TokenExpiry: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "meshcni_agent_plugin_token_expiry_timestamp_seconds",
+			Help: "Unix time at which the plugin's current token expires (0: none minted, or the plugin uses the agent's own token).",
+		}),
+		TokenRenewals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshcni_agent_plugin_token_renewals_total",
+			Help: "TokenRequests for the plugin's token, by result (success, error).",
+		}, []string{"result"}),
 	}
-	m.Registry.MustRegister(m.Installs, m.Ready, m.Reinjections, m.Conflicts, m.PluginCommands, m.PluginAddDuration,
+	m.Registry.MustRegister(m.Installs, m.Ready, m.Reinjections, m.Conflicts, m.PluginCommands, m.PluginAddDuration, m.TokenExpiry, m.TokenRenewals,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, r := range []string{"success", "error"} {
 		m.Installs.WithLabelValues(r)
+		m.TokenRenewals.WithLabelValues(r)
 	}
 	return m
 }

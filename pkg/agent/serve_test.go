@@ -168,7 +168,7 @@ func TestBadInputNotReady(t *testing.T) {
 			if err := os.WriteFile(filepath.Join(e.confDir, "10-calico.conflist"), []byte(calico), 0o644); err != nil {
 				t.Fatal(err)
 			}
-			return []string{"--kubeconfig-source", ""}
+			return []string{"--kubeconfig-source", "", "--plugin-service-account="}
 		}, "service-account token"},
 		{"missing plugin binary", func(t *testing.T, e *env) []string {
 			if err := os.WriteFile(filepath.Join(e.confDir, "10-calico.conflist"), []byte(calico), 0o644); err != nil {

@@ -94,6 +94,11 @@ func (s *InCluster) Kubeconfig() ([]byte, error) {
 	if tok == "" || strings.ContainsAny(tok, " \t\r\n") {
 		return nil, fmt.Errorf("service-account token %s is empty or malformed", s.TokenFile)
 	}
+	return s.withToken(tok)
+}
+
+// withToken reads the CA and builds the kubeconfig with tok.
+func (s *InCluster) withToken(tok string) ([]byte, error) {
 	ca, err := os.ReadFile(s.CAFile)
 	if err != nil {
 		return nil, fmt.Errorf("service-account CA: %w", err)

@@ -57,6 +57,18 @@ The agent pods' label selector as a string (the taint controller's --agent-selec
 {{- printf "%s-agent" (include "meshcni.fullname" .) -}}
 {{- end -}}
 
+{{- define "meshcni.pluginName" -}}
+{{- printf "%s-plugin" (include "meshcni.fullname" .) -}}
+{{- end -}}
+
+{{/*
+The user name of a ServiceAccount of the release in admission requests. Call with
+(dict "ctx" . "name" "<service account>").
+*/}}
+{{- define "meshcni.saUser" -}}
+{{- printf "system:serviceaccount:%s:%s" .ctx.Release.Namespace .name -}}
+{{- end -}}
+
 {{- define "meshcni.taintName" -}}
 {{- printf "%s-taint-controller" (include "meshcni.fullname" .) -}}
 {{- end -}}
