@@ -1,16 +1,18 @@
 // Package apiproxy puts a fault-injecting HTTPS proxy between one API client and a real
 // kube-apiserver, for tests: it logs every request the client sends (method, path,
 // when it arrived, when it was forwarded, the answer), and it can cut the client off
-// (Partition), stall only its watch streams (StallWatches), and Heal.
+// (Partition), stall only its watch streams (StallWatches), delay its writes
+// (HoldWrites), and Heal.
 //
 // The proxy ends the client's TLS with a certificate of its own and forwards each
 // request with the upstream credentials, so it sees every request in clear: the
 // requests one client (one process) sent are exactly those in its proxy's log.
 //
-// The fault model is a lost network, not a slow one: a request held by a partition is
-// never forwarded; at Heal it is aborted (the client sees a reset stream), as when
-// the client's connection broke. Data the upstream sent during a fault is delivered at
-// Heal, in order (a TCP connection that survived).
+// A partition is a lost network, not a slow one: a request held by it is never
+// forwarded; at Heal it is aborted (the client sees a reset stream), as when the
+// client's connection broke. HoldWrites is a slow one: the writes it holds are
+// forwarded at Heal, as they were sent. Data the upstream sent during a fault is
+// delivered at Heal, in order (a TCP connection that survived).
 package apiproxy
 
 import (
@@ -58,6 +60,7 @@ const (
 	pass mode = iota
 	partitioned
 	watchesStalled
+	writesHeld
 )
 
 // Proxy is one client's proxy.
@@ -67,6 +70,7 @@ type Proxy struct {
 	mu     sync.Mutex
 	mode   mode
 	healed chan struct{} // closed by Heal
+	hold   string        // writesHeld: the path prefix of the writes held
 	reqs   []*Request
 }
 
@@ -117,8 +121,18 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 		Watch: r.URL.Query().Get("watch") == "true" || r.URL.Query().Get("watch") == "1", Received: time.Now()}
 	p.mu.Lock()
 	p.reqs = append(p.reqs, rec)
-	m, healed := p.mode, p.healed
+	m, healed, hold := p.mode, p.healed, p.hold
 	p.mu.Unlock()
+	if m == writesHeld && rec.IsWrite() && strings.HasPrefix(rec.Path, hold) {
+		select {
+		case <-healed: // delivered late
+		case <-r.Context().Done():
+			p.mu.Lock()
+			rec.Dropped = true
+			p.mu.Unlock()
+			return
+		}
+	}
 	if m == partitioned {
 		select {
 		case <-healed:
@@ -146,7 +160,7 @@ func (b *gatedBody) Read(buf []byte) (int, error) {
 		b.p.mu.Lock()
 		m, healed := b.p.mode, b.p.healed
 		b.p.mu.Unlock()
-		if m == pass || (m == watchesStalled && !b.watch) {
+		if m == pass || m == writesHeld || (m == watchesStalled && !b.watch) {
 			return n, err
 		}
 		select {
@@ -160,23 +174,32 @@ func (b *gatedBody) Read(buf []byte) (int, error) {
 // Partition cuts the client off: new requests are held and never forwarded (aborted
 // at Heal), and nothing upstream sends on open responses (watch events) reaches it
 // until Heal.
-func (p *Proxy) Partition() { p.fault(partitioned) }
+func (p *Proxy) Partition() { p.fault(partitioned, "") }
 
 // StallWatches stops the events of the client's watches (open and new) until Heal;
 // every other request passes.
-func (p *Proxy) StallWatches() { p.fault(watchesStalled) }
+func (p *Proxy) StallWatches() { p.fault(watchesStalled, "") }
 
-func (p *Proxy) fault(m mode) {
+// HoldWrites holds the client's writes (POST, PUT, PATCH, DELETE) whose path starts
+// with prefix until Heal, which forwards them; everything else passes. The client
+// acts on what it read before; the API server gets its write only after the test has
+// changed the object.
+func (p *Proxy) HoldWrites(prefix string) {
+	p.fault(writesHeld, prefix)
+}
+
+func (p *Proxy) fault(m mode, hold string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.mode != pass {
 		close(p.healed)
 		p.healed = make(chan struct{})
 	}
-	p.mode = m
+	p.mode, p.hold = m, hold
 }
 
-// Heal ends a fault: held requests are aborted, held data is delivered.
+// Heal ends a fault: requests held by a partition are aborted, writes held by
+// HoldWrites are forwarded, held data is delivered.
 func (p *Proxy) Heal() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
