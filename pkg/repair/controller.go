@@ -451,16 +451,22 @@ func (c *Controller) act(ctx context.Context, pod *corev1.Pod, d Decision) (stri
 		}
 		return fmt.Sprintf("meshcni deleted the pod after %s (the traffic redirect was missing); its controller recreates it with the redirect", why), nil
 	case ActionLabel:
+		// The UID and the resourceVersion the decision was made from: the API server
+		// refuses the patch (Conflict) when the pod is a namesake recreated meanwhile
+		// or changed since (its validation may have passed), and the pod is judged
+		// again from the cache, as for delete.
 		patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
-			"labels": map[string]string{c.o.Policy.LabelKey: LabelValue},
-			// The UID guards against labelling a namesake recreated meanwhile.
-			"uid": pod.UID,
+			"labels":          map[string]string{c.o.Policy.LabelKey: LabelValue},
+			"uid":             pod.UID,
+			"resourceVersion": pod.ResourceVersion,
 		}})
 		if err != nil {
 			return "", err
 		}
 		_, err = c.o.Client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{})
 		switch {
+		case apierrors.IsConflict(err):
+			return "", errRetry{fmt.Errorf("stale pod (resourceVersion %s): %w", pod.ResourceVersion, err)}
 		case apierrors.IsNotFound(err):
 			return "pod already gone", nil
 		case err != nil:

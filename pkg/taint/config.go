@@ -192,8 +192,11 @@ func (c *Config) Validate() error {
 		if c.RenewDeadline <= time.Duration(1.2*float64(c.RetryPeriod)) {
 			return fmt.Errorf("--renew-deadline %v: want more than 1.2 × --retry-period (%v)", c.RenewDeadline, c.RetryPeriod)
 		}
-		if c.LeaseDuration <= c.RenewDeadline {
-			return fmt.Errorf("--lease-duration %v: want more than --renew-deadline (%v)", c.LeaseDuration, c.RenewDeadline)
+		// The Lease records its duration in whole seconds; a leader writes only within
+		// --renew-deadline of a renewal (fence.go), which must end before that.
+		if c.LeaseDuration.Truncate(time.Second) <= c.RenewDeadline {
+			return fmt.Errorf("--lease-duration %v: want more than --renew-deadline (%v) in whole seconds (the Lease records %ds)",
+				c.LeaseDuration, c.RenewDeadline, int(c.LeaseDuration/time.Second))
 		}
 	}
 	if c.HealthAddr != "" {

@@ -63,6 +63,7 @@ func TestParseFlags(t *testing.T) {
 		{name: "bad duration env", env: map[string]string{"POD_NAMESPACE": "x", "MESHCNI_GRACE_PERIOD": "30"}, wantErr: `MESHCNI_GRACE_PERIOD="30"`},
 		{name: "negative grace", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--grace-period", "-1s"}, wantErr: "--grace-period -1s: want 0 or more"},
 		{name: "lease shorter than renew", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--lease-duration", "10s"}, wantErr: "--lease-duration 10s: want more than --renew-deadline"},
+		{name: "lease in whole seconds not longer than renew", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--lease-duration", "10.9s"}, wantErr: "--lease-duration 10.9s: want more than --renew-deadline (10s) in whole seconds (the Lease records 10s)"},
 		{name: "renew vs retry", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--retry-period", "9s"}, wantErr: "--renew-deadline 10s: want more than 1.2"},
 		{name: "bad lease name", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--lease-name", "Bad_Name"}, wantErr: `--lease-name "Bad_Name"`},
 		{name: "bad namespace", args: []string{"--agent-namespace", "Not/A/Namespace", "--leader-elect=false"}, wantErr: `--agent-namespace "Not/A/Namespace"`},

@@ -62,6 +62,7 @@ type Controller struct {
 	nodes      listerscorev1.NodeLister
 	queue      workqueue.TypedRateLimitingInterface[string]
 	watchdog   *leaderelection.HealthzAdaptor
+	fence      *fence // nil without leader election
 
 	mu    sync.Mutex
 	state map[string]NodeState
@@ -86,6 +87,9 @@ func New(cs kubernetes.Interface, cfg *Config, log *slog.Logger) (*Controller, e
 		// Unhealthy when leading and the Lease was not renewed for a renew deadline past
 		// its duration: the process is stuck.
 		watchdog: leaderelection.NewLeaderHealthzAdaptor(cfg.RenewDeadline),
+	}
+	if cfg.LeaderElect {
+		c.fence = newFence(cfg.Identity, cfg.RenewDeadline)
 	}
 	nodeSel := cfg.NodeSelector.String()
 	c.nodeF = informers.NewSharedInformerFactoryWithOptions(cs, cfg.Resync,
@@ -320,7 +324,12 @@ func (c *Controller) reconcile(ctx context.Context, name string) (time.Duration,
 	if d.Action == None {
 		return d.RequeueAfter, nil
 	}
-	changed, err := setTaint(ctx, c.cs, node, d.Action == Add)
+	wctx, release, err := c.writeContext(ctx, name)
+	if err != nil {
+		return 0, err
+	}
+	changed, err := setTaint(wctx, c.cs, node, d.Action == Add)
+	release()
 	if err != nil {
 		return 0, fmt.Errorf("%s taint on node %s: %w", d.Action, name, err)
 	}
@@ -336,6 +345,28 @@ func (c *Controller) reconcile(ctx context.Context, name string) (time.Duration,
 	c.events.Event(node, corev1.EventTypeNormal, reason, msg)
 	c.log.Info(msg, "node", name, "action", d.Action.String())
 	return 0, nil
+}
+
+// LogWriteHeld is logged when a node write waits because the Lease was not renewed
+// within --renew-deadline (the fence lapsed): the write is sent only after a renewal,
+// and never if leadership ends first.
+const LogWriteHeld = "node write held: the Lease was not renewed within the renew deadline"
+
+// writeContext waits until this replica may write (its Lease fence holds) and returns
+// the context of one write, which ends when the fence lapses; an error once ctx ended
+// (no longer leading) first.
+func (c *Controller) writeContext(ctx context.Context, node string) (context.Context, context.CancelFunc, error) {
+	if c.fence == nil {
+		return ctx, func() {}, nil
+	}
+	if lapsed, since := c.fence.lapsed(); lapsed {
+		c.log.Info(LogWriteHeld, "node", node, "lapsed_since", since.Format(time.RFC3339Nano))
+	}
+	wctx, cancel, err := c.fence.hold(ctx)
+	if err != nil {
+		return nil, nil, fmt.Errorf("node %s: not written, no longer leading: %w", node, err)
+	}
+	return wctx, cancel, nil
 }
 
 // agentPods names the agent pods and whether each counts as Ready, for the logs.

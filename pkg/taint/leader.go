@@ -18,11 +18,12 @@ var ErrLostLease = errors.New("lost the leader Lease")
 // workers stop first and only then is the Lease released (unless KeepLeaseOnExit), so
 // the next leader never overlaps a write of this one.
 func (c *Controller) runElected(ctx context.Context) error {
-	lock := &resourcelock.LeaseLock{
+	// Every renewal also moves the fence that each node write waits for (fence.go).
+	lock := fencedLock{f: c.fence, Interface: &resourcelock.LeaseLock{
 		LeaseMeta:  metav1.ObjectMeta{Namespace: c.cfg.LeaseNamespace, Name: c.cfg.LeaseName},
 		Client:     c.cs.CoordinationV1(),
 		LockConfig: resourcelock.ResourceLockConfig{Identity: c.cfg.Identity},
-	}
+	}}
 	// The elector's context outlives ctx until the workers are done.
 	leCtx, stopLE := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopLE()
