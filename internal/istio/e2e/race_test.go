@@ -25,7 +25,9 @@ import (
 const (
 	raceNamespace = "istio-e2e-race"
 	// agentOffLabel is a node selector no node matches: the agent's DaemonSet then
-	// runs no pod, and the agent, stopped with SIGTERM, takes meshcni out of the chain.
+	// runs no pod, and the agent, stopped with SIGTERM and --keep-on-exit never, takes
+	// meshcni out of the chain (with the default auto it would keep the plugin: its
+	// DaemonSet still exists).
 	agentOffLabel = "meshcni-e2e/agent-off"
 )
 
@@ -96,16 +98,28 @@ func agentDaemonSet(ctx context.Context, t *testing.T, tb *testbed.Testbed) stri
 // setAgentOff adds (off) or removes the node selector no node matches.
 func setAgentOff(ctx context.Context, t *testing.T, tb *testbed.Testbed, ds string, off bool) {
 	t.Helper()
-	var v any
-	if off {
-		v = "true"
+	patchDS := func(spec map[string]any) {
+		t.Helper()
+		patch, _ := json.Marshal(map[string]any{"spec": map[string]any{"template": map[string]any{"spec": spec}}})
+		if _, err := tb.Client.AppsV1().DaemonSets(demo.ReleaseNamespace).Patch(ctx, ds, types.StrategicMergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			t.Fatalf("patch DaemonSet %s (off=%v): %v", ds, off, err)
+		}
 	}
-	patch, _ := json.Marshal(map[string]any{"spec": map[string]any{"template": map[string]any{"spec": map[string]any{
-		"nodeSelector": map[string]any{agentOffLabel: v},
-	}}}})
-	if _, err := tb.Client.AppsV1().DaemonSets(demo.ReleaseNamespace).Patch(ctx, ds, types.StrategicMergePatchType, patch, metav1.PatchOptions{}); err != nil {
-		t.Fatalf("patch DaemonSet %s (off=%v): %v", ds, off, err)
+	keep := func(mode string) []any {
+		return []any{map[string]any{"name": "agent", "env": []any{map[string]any{"name": "MESHCNI_KEEP_ON_EXIT", "value": mode}}}}
 	}
+	if !off {
+		patchDS(map[string]any{"nodeSelector": map[string]any{agentOffLabel: nil}, "containers": keep("auto")})
+		return
+	}
+	// First an agent that removes the plugin when it stops, then no agent.
+	patchDS(map[string]any{"containers": keep("never")})
+	wctx, cancel := context.WithTimeout(ctx, 3*time.Minute)
+	defer cancel()
+	if _, err := tb.WaitDaemonSet(wctx, demo.ReleaseNamespace, ds); err != nil {
+		t.Fatalf("agent with --keep-on-exit never: %v", err)
+	}
+	patchDS(map[string]any{"nodeSelector": map[string]any{agentOffLabel: "true"}})
 }
 
 // restoreAgent brings the agent back (if the test stopped early), and waits for its
