@@ -114,7 +114,8 @@ func ensureNamespace(ctx context.Context, tb *testbed.Testbed, name string) erro
 }
 
 // loadList loads the CNI configuration the way containerd does (max_conf_num 1):
-// the lexically first .conf/.conflist/.json of the directory.
+// the lexically first .conf/.conflist/.json of the directory, as a list (the
+// agent converts a single .conf to a .conflist).
 func (r *rig) loadList() (*libcni.NetworkConfigList, []byte, error) {
 	files, err := libcni.ConfFiles(r.confDir, []string{".conf", ".conflist", ".json"})
 	if err != nil {
@@ -128,15 +129,7 @@ func (r *rig) loadList() (*libcni.NetworkConfigList, []byte, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	var l *libcni.NetworkConfigList
-	if strings.HasSuffix(files[0], ".conflist") {
-		l, err = libcni.ConfListFromBytes(data)
-	} else {
-		var c *libcni.NetworkConfig
-		if c, err = libcni.ConfFromBytes(data); err == nil {
-			l, err = libcni.ConfListFromConf(c)
-		}
-	}
+	l, err := libcni.NetworkConfFromBytes(data)
 	if err != nil {
 		return nil, data, fmt.Errorf("%s: %w", files[0], err)
 	}
