@@ -49,6 +49,7 @@ type daemonSet struct {
 	waitErr  error
 	starts   int
 	kills    int
+	crashes  []string // agents that exited before their SIGKILL
 	stopping bool
 }
 
@@ -121,6 +122,13 @@ func (d *daemonSet) kill() {
 	cmd, done := d.cmd, d.done
 	d.kills++
 	d.mu.Unlock()
+	select {
+	case <-done:
+		d.mu.Lock()
+		d.crashes = append(d.crashes, fmt.Sprintf("agent %d exited by itself: %v", d.starts, d.waitErr))
+		d.mu.Unlock()
+	default:
+	}
 	_ = cmd.Process.Signal(syscall.SIGKILL)
 	<-done
 	time.Sleep(d.delay)
@@ -331,6 +339,9 @@ func TestChurnFaults(t *testing.T) {
 		t.Logf("failed ADDs (fail closed: the pod is not started), by message:\n%s", errorKinds(ta.addErrs))
 	}
 
+	if len(ds.crashes) > 0 {
+		t.Errorf("meshcni-agent exited without being killed:\n%s", strings.Join(ds.crashes, "\n"))
+	}
 	if len(ta.unredirected) > 0 {
 		t.Errorf("ADD succeeded on a chain with meshcni but the pod is not redirected:\n%s", first(ta.unredirected, 10))
 	}

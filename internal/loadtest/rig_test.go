@@ -107,7 +107,7 @@ func newRig(t *testing.T, tb *testbed.Testbed) *rig {
 
 func ensureNamespace(ctx context.Context, tb *testbed.Testbed, name string) error {
 	err := tb.CreateNamespace(ctx, name)
-	if err != nil && !apierrors.IsAlreadyExists(errors.Unwrap(err)) && !strings.Contains(err.Error(), "already exists") {
+	if err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
 	return nil
