@@ -11,6 +11,7 @@ package repair_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -27,6 +28,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
 
 	"github.com/meshcni/meshcni/internal/build/ociimage"
 	"github.com/meshcni/meshcni/internal/proxysim"
@@ -35,7 +37,9 @@ import (
 	"github.com/meshcni/meshcni/internal/traffic"
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/fileutil"
 	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec"
@@ -842,4 +846,220 @@ func TestRaceLabel(t *testing.T) {
 	if got := a.repairCount(t, "label", "success"); got != n {
 		t.Errorf("meshcni_repairs_total{action=label,result=success} = %v, want %d", got, n)
 	}
+}
+
+// TestRewriteLoop: while the primary CNI rewrites its conflist without meshcni's entry
+// every 300 ms (temp + rename, as a primary CNI does) and the agent re-injects it,
+// meshed pods are created one every 200 ms; a pod whose sandbox was set up in a
+// window without the entry fails validation (126) and is repaired in place. The
+// claim: every pod whose app container started is redirected, and its app started
+// once, after the redirect — by ADD or by the repair controller.
+func TestRewriteLoop(t *testing.T) {
+	tb := testbed.Shared(t)
+	bin := setup(t, tb)
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	const ns = "repair-e2e-rewrite"
+	namespace(t, ctx, tb, ns)
+
+	a := startAgent(t, tb, bin, repair.ActionRepair)
+	a.watching(t, ctx)
+	waitEntry(t, ctx)
+	failed := exits126(t, ctx, tb, ns)
+
+	const n = 15
+	stopLoop, rewrites := rewriteLoop(t, 300*time.Millisecond)
+	var names []string
+	for i := range n {
+		name := fmt.Sprintf("pod-%02d", i)
+		if _, err := tb.CreatePod(ctx, newPod(ns, name, meshedBroken)); err != nil {
+			stopLoop()
+			t.Fatal(err)
+		}
+		names = append(names, name)
+		time.Sleep(200 * time.Millisecond)
+	}
+	// The creation phase lasts until every pod's sandbox is set up (its ADD ran).
+	waitFor(t, ctx, 2*time.Minute, "every pod's sandbox set up (pod IP)", func() (bool, error) {
+		for _, name := range names {
+			p, err := tb.Client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+			if err != nil || p.Status.PodIP == "" {
+				return false, fmt.Errorf("%s: no pod IP yet (%v)", name, err)
+			}
+		}
+		return true, nil
+	})
+	stopLoop()
+	// The loop's last write dropped the entry: the agent puts it back.
+	waitEntry(t, ctx)
+	t.Logf("primary conflist rewritten %d times while %d pods were created and set up", rewrites(), n)
+
+	var byADD, repaired, runs126 int
+	pods := map[string]*corev1.Pod{}
+	for _, name := range names {
+		pods[name] = waitRunning(t, ctx, tb, ns, name, 3*time.Minute)
+	}
+	got, fails := a.repairs(), failed()
+	for _, name := range names {
+		pod := pods[name]
+		assertRedirected(t, ctx, pod)
+		runs126 += fails[name]
+		app := appStatus(t, pod)
+		if app.RestartCount != 0 {
+			t.Errorf("%s: app container restarted %d times", name, app.RestartCount)
+		}
+		r, ok := got[ns+"/"+name]
+		switch {
+		case ok:
+			repaired++
+			waitEvent(t, ctx, tb, pod, corev1.EventTypeNormal, repair.ReasonRepaired)
+			// The app started after the repair (the API stores whole seconds).
+			if started := app.State.Running.StartedAt.Time; started.Before(r.time.Truncate(time.Second)) {
+				t.Errorf("%s: app started %s, before its repair at %s", name, started, r.time)
+			}
+			if fails[name] == 0 {
+				t.Errorf("%s: repaired without a validation run exiting 126", name)
+			}
+		case fails[name] > 0:
+			t.Errorf("%s: validation exited 126 %d times but the pod runs without a repair", name, fails[name])
+		default:
+			byADD++
+		}
+	}
+	t.Logf("%d pods audited: redirected by ADD %d, repaired in place %d; validation runs exited 126: %d", n, byADD, repaired, runs126)
+}
+
+// rewriteLoop rewrites the test bed's primary conflist (the default one, without
+// meshcni's entry) every period by temp + rename, as a primary CNI does, until stop
+// is called; count returns how many rewrites it made.
+func rewriteLoop(t *testing.T, period time.Duration) (stop func(), count func() int) {
+	t.Helper()
+	path := filepath.Join(testbed.CNIConfDir, testbed.DefaultConflistName)
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	n := 0
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		tick := time.NewTicker(period)
+		defer tick.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+				if err := fileutil.WriteFileAtomic(path, testbed.DefaultConflist(), 0o644); err != nil {
+					t.Errorf("primary rewrite: %v", err)
+				}
+				mu.Lock()
+				n++
+				mu.Unlock()
+			}
+		}
+	}()
+	stop = sync.OnceFunc(func() { close(done); wg.Wait() })
+	t.Cleanup(stop)
+	return stop, func() int { mu.Lock(); defer mu.Unlock(); return n }
+}
+
+// waitEntry waits until the test bed's conflist holds meshcni's entry.
+func waitEntry(t *testing.T, ctx context.Context) {
+	t.Helper()
+	path := filepath.Join(testbed.CNIConfDir, testbed.DefaultConflistName)
+	waitFor(t, ctx, 30*time.Second, "meshcni's entry in "+path, func() (bool, error) {
+		data, err := os.ReadFile(path)
+		if err != nil {
+			return false, err
+		}
+		var l struct {
+			Plugins []struct {
+				Type string `json:"type"`
+			} `json:"plugins"`
+		}
+		if err := json.Unmarshal(data, &l); err != nil {
+			return false, fmt.Errorf("parse %s: %w", path, err)
+		}
+		for _, p := range l.Plugins {
+			if p.Type == cniconf.PluginType {
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+}
+
+// exits126 watches the pods of ns from now on and counts, per pod, the runs of its
+// validation container that terminated with 126 (distinct container IDs): once a
+// later run completes, the API no longer shows the failed one.
+func exits126(t *testing.T, ctx context.Context, tb *testbed.Testbed, ns string) (counts func() map[string]int) {
+	t.Helper()
+	wctx, cancel := context.WithCancel(ctx)
+	var mu sync.Mutex
+	seen := map[string]map[string]bool{} // pod name → container IDs that exited 126
+	note := func(p *corev1.Pod) {
+		for _, s := range p.Status.InitContainerStatuses {
+			if s.Name != repair.DefaultInitContainer {
+				continue
+			}
+			for _, term := range []*corev1.ContainerStateTerminated{s.State.Terminated, s.LastTerminationState.Terminated} {
+				if term != nil && term.ExitCode == 126 {
+					mu.Lock()
+					if seen[p.Name] == nil {
+						seen[p.Name] = map[string]bool{}
+					}
+					seen[p.Name][term.ContainerID] = true
+					mu.Unlock()
+				}
+			}
+		}
+	}
+	l, err := tb.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rv := l.ResourceVersion
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for wctx.Err() == nil {
+			w, err := tb.Client.CoreV1().Pods(ns).Watch(wctx, metav1.ListOptions{ResourceVersion: rv})
+			if err != nil {
+				time.Sleep(100 * time.Millisecond)
+				continue
+			}
+			for ev := range w.ResultChan() {
+				if ev.Type == watch.Error {
+					rv = "" // expired: go on from the current state
+				}
+				if p, ok := ev.Object.(*corev1.Pod); ok {
+					rv = p.ResourceVersion
+					note(p)
+				}
+			}
+			w.Stop()
+		}
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	return func() map[string]int {
+		mu.Lock()
+		defer mu.Unlock()
+		out := map[string]int{}
+		for name, ids := range seen {
+			out[name] = len(ids)
+		}
+		return out
+	}
+}
+
+// appStatus is the status of the pod's app container.
+func appStatus(t *testing.T, pod *corev1.Pod) corev1.ContainerStatus {
+	t.Helper()
+	for _, s := range pod.Status.ContainerStatuses {
+		if s.Name == "app" {
+			return s
+		}
+	}
+	t.Fatalf("%s: no app container status", pod.Name)
+	return corev1.ContainerStatus{}
 }
