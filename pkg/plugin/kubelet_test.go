@@ -26,6 +26,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/spec"
 )
 
 const (
@@ -195,13 +196,13 @@ func TestKubeletChain(t *testing.T) {
 		// Istio's defaults, for the pod's address families.
 		s := istioSidecarSpec()
 		s.EnableIPv4 = false
+		var addrs []netip.Addr
 		for _, ip := range pod.Status.PodIPs {
-			if netip.MustParseAddr(ip.IP).Is4() {
-				s.EnableIPv4 = true
-			} else {
-				s.EnableIPv6 = true
-			}
+			a := netip.MustParseAddr(ip.IP)
+			addrs = append(addrs, a)
+			s.EnableIPv4 = s.EnableIPv4 || a.Is4()
 		}
+		s.EnableIPv6 = spec.IstioIPv6(false, addrs) // no ISTIO_DUAL_STACK on this proxy
 		d, err := engine.Check(ctx, engine.Options{Backend: backend.Auto, NetnsPath: netns}, &s)
 		if err != nil || !d.Empty() {
 			t.Fatalf("rules in the pod: err %v, drift:\n%s", err, d)

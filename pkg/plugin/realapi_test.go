@@ -132,6 +132,7 @@ func istioSidecarSpec() spec.Spec {
 		TProxyMark:           1337,
 		TProxyRouteTable:     133,
 		EnableIPv4:           true,
+		IPv6:                 spec.IPv6Istio,
 		HostLoopback:         netip.MustParsePrefix("127.0.0.1/32"),
 	}
 }
@@ -352,13 +353,14 @@ func noRightsKubeconfig(t *testing.T, tbd interface {
 	return path
 }
 
-// TestTrafficThroughPlugin: a meshed pod (stored in the real API server) gets its
-// redirect from the plugin run through libcni; its outbound and inbound TCP reach the
-// stand-in proxy, running as UID 1337, with the original destination intact.
+// TestTrafficThroughPlugin: a meshed dual-stack pod (stored in the real API server; its
+// proxy has ISTIO_DUAL_STACK=true, so Istio captures IPv6 too) gets its redirect from
+// the plugin run through libcni; its outbound and inbound TCP of both families reach
+// the stand-in proxy, running as UID 1337, with the original destination intact.
 func TestTrafficThroughPlugin(t *testing.T) {
 	tbd := testbedAPI(t)
 	pod := traffic.NewPod(t)
-	k8sPod := createPod(t, injectedPod(e2eNamespace, "traffic"))
+	k8sPod := createPod(t, injectedPod(e2eNamespace, "traffic", withProxyEnv(podspec.EnvDualStack, "true")))
 	proxy := traffic.StartProxy(t, pod.NetNS, traffic.ProxyOptions{})
 	ch := newChain(t, []string{pod.IPv4.String() + "/24", pod.IPv6.String() + "/64"}, meshcniEntry(t.TempDir(), tbd.Kubeconfig(), nil))
 	rt := runtimeConf(pod.NetNS, k8sPod)
