@@ -10,6 +10,7 @@ import (
 	"syscall"
 
 	"github.com/spf13/pflag"
+	"k8s.io/klog/v2"
 )
 
 // Main is meshcni-agent's main: it parses args and the environment, runs the agent
@@ -23,7 +24,7 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "meshcni-agent: %v\n", err)
 		return 2
 	}
-	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: cfg.LogLevel}))
+	log := newLogger(stderr, cfg.LogLevel)
 	opts := Options{Getenv: getenv}
 	if k, err := NewKube(cfg); err == nil {
 		defer k.Stop()
@@ -52,4 +53,12 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 		return 1
 	}
 	return 0
+}
+
+// newLogger is the agent's JSON log on w. client-go's own logs (klog: informers,
+// Events, leader election) go through it too, so the agent's log has one format.
+func newLogger(w io.Writer, level slog.Level) *slog.Logger {
+	log := slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: level}))
+	klog.SetSlogLogger(log)
+	return log
 }
