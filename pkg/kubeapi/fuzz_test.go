@@ -63,7 +63,7 @@ func FuzzParseKubeconfig(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		if !namesOnlyFuzzFiles(data) {
-			t.Skip("names a file outside the fuzz directory")
+			return // an input naming files outside the fuzz directory is out of scope, not a skip
 		}
 		cfg, err := ParseKubeconfig(data, dir)
 		if err != nil {
