@@ -33,26 +33,31 @@ type dryRunner struct {
 	mapper meta.RESTMapper
 }
 
-// apply sends o with server-side apply, dry run and strict field validation: the API
-// server decodes, defaults, validates and admits it, and stores nothing.
-func (d *dryRunner) apply(ctx context.Context, o *unstructured.Unstructured) error {
+// serverSideApply sends o with server-side apply (forced, strict field validation) and
+// the given dry-run setting and field manager.
+func serverSideApply(ctx context.Context, dyn dynamic.Interface, mapper meta.RESTMapper, o *unstructured.Unstructured, opts metav1.PatchOptions) (*unstructured.Unstructured, error) {
 	gvk := o.GroupVersionKind()
-	m, err := d.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+	m, err := mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	data, err := o.MarshalJSON()
 	if err != nil {
-		return err
+		return nil, err
 	}
-	var ri dynamic.ResourceInterface = d.dyn.Resource(m.Resource)
+	var ri dynamic.ResourceInterface = dyn.Resource(m.Resource)
 	if m.Scope.Name() == meta.RESTScopeNameNamespace {
-		ri = d.dyn.Resource(m.Resource).Namespace(o.GetNamespace())
+		ri = dyn.Resource(m.Resource).Namespace(o.GetNamespace())
 	}
 	force := true
-	got, err := ri.Patch(ctx, o.GetName(), types.ApplyPatchType, data, metav1.PatchOptions{
-		DryRun: []string{metav1.DryRunAll}, FieldManager: "meshcni-deploy-test", Force: &force, FieldValidation: "Strict",
-	})
+	opts.Force, opts.FieldValidation = &force, "Strict"
+	return ri.Patch(ctx, o.GetName(), types.ApplyPatchType, data, opts)
+}
+
+// apply sends o with server-side apply, dry run and strict field validation: the API
+// server decodes, defaults, validates and admits it, and stores nothing.
+func (d *dryRunner) apply(ctx context.Context, o *unstructured.Unstructured) error {
+	got, err := serverSideApply(ctx, d.dyn, d.mapper, o, metav1.PatchOptions{DryRun: []string{metav1.DryRunAll}, FieldManager: "meshcni-deploy-test"})
 	if err != nil {
 		return err
 	}

@@ -125,21 +125,7 @@ func (e *idEnv) applyChart(values []string, kinds ...string) {
 }
 
 func (e *idEnv) apply(o *unstructured.Unstructured) error {
-	gvk := o.GroupVersionKind()
-	m, err := e.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
-	if err != nil {
-		return err
-	}
-	data, err := o.MarshalJSON()
-	if err != nil {
-		return err
-	}
-	var ri dynamic.ResourceInterface = e.dyn.Resource(m.Resource)
-	if m.Scope.Name() == meta.RESTScopeNameNamespace {
-		ri = e.dyn.Resource(m.Resource).Namespace(o.GetNamespace())
-	}
-	force := true
-	_, err = ri.Patch(e.ctx, o.GetName(), types.ApplyPatchType, data, metav1.PatchOptions{FieldManager: "meshcni-identity-test", Force: &force, FieldValidation: "Strict"})
+	_, err := serverSideApply(e.ctx, e.dyn, e.mapper, o, metav1.PatchOptions{FieldManager: "meshcni-identity-test"})
 	return err
 }
 
