@@ -159,6 +159,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs.Var(addrValue{&cfg.DNSAnswerV4}, "dns-answer", "address answered to every A query (empty = no answer)")
 	fs.Var(addrValue{&cfg.DNSAnswerV6}, "dns-answer-v6", "address answered to every AAAA query (empty = no answer)")
 	fs.Var(addrPortValue{&cfg.DNSUpstream}, "dns-upstream", "forward every DNS query to this ip:port instead of answering")
+	fs.BoolVar(&cfg.NoSplice, "no-splice", false, "forward mode: copy through a user-space buffer (read/write, as Envoy does) instead of splice(2)")
 	fs.DurationVar(&cfg.DialTimeout, "dial-timeout", 5*time.Second, "timeout of forward and upstream dials")
 	admin := fs.String("admin", "", "serve GET /records and /healthz on this address (e.g. 127.0.0.1:15000)")
 	records := fs.Bool("records", true, "write every record to stdout as a JSON line")

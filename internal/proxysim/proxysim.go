@@ -125,6 +125,11 @@ type Config struct {
 	// DNSUpstream, when valid, receives every query instead (forwarded as is).
 	DNSUpstream netip.AddrPort
 
+	// NoSplice copies forwarded bytes through a user-space buffer (read/write, as
+	// Envoy does) instead of splice(2), which reads only a socket's TCP receive
+	// queue and so misses bytes an sk_msg program redirected into it.
+	NoSplice bool
+
 	DialTimeout time.Duration // forward and upstream dials, default 5s
 	IdleTimeout time.Duration // idle limit for record-mode reads and DNS over TCP, default 30s
 	MaxRecords  int           // records kept in memory, default 10000

@@ -105,7 +105,7 @@ func (p *Proxy) handleConn(ctx context.Context, l *tcpListener, c *net.TCPConn) 
 	rec.Forward = tcpAddrPort(up.RemoteAddr())
 	rec.ForwardSource = tcpAddrPort(up.LocalAddr())
 	p.emit(rec)
-	sent, received := splice(c, up)
+	sent, received := splice(c, up, p.cfg.NoSplice)
 	p.log.Info("connection",
 		"listener", rec.Listener, "peer", rec.Peer, "orig_dst", rec.OrigDst,
 		"forward_source", rec.ForwardSource, "bytes_sent", sent, "bytes_received", received,
@@ -140,16 +140,24 @@ func (p *Proxy) dialOriginal(ctx context.Context, l *tcpListener, rec Record) (*
 }
 
 // splice copies both ways, half-closing each side when the other finishes, and returns
-// the bytes sent downstream→upstream and upstream→downstream.
-func splice(down, up *net.TCPConn) (sent, received int64) {
+// the bytes sent downstream→upstream and upstream→downstream. With noSplice the
+// bytes go through a user-space buffer instead of splice(2).
+func splice(down, up *net.TCPConn, noSplice bool) (sent, received int64) {
+	copyFn := io.Copy
+	if noSplice {
+		copyFn = func(dst io.Writer, src io.Reader) (int64, error) {
+			// Plain wrappers hide ReadFrom/WriteTo, so io.CopyBuffer reads and writes.
+			return io.CopyBuffer(struct{ io.Writer }{dst}, struct{ io.Reader }{src}, make([]byte, 64<<10))
+		}
+	}
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		sent, _ = io.Copy(up, down)
+		sent, _ = copyFn(up, down)
 		_ = up.CloseWrite()
 	}()
-	received, _ = io.Copy(down, up)
+	received, _ = copyFn(down, up)
 	_ = down.CloseWrite()
 	wg.Wait()
 	return sent, received

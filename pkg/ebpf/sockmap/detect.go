@@ -1,0 +1,178 @@
+package sockmap
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/features"
+	"golang.org/x/sys/unix"
+
+	"github.com/meshcni/meshcni/pkg/netnsutil"
+)
+
+// ErrUnavailable is wrapped by Detect's (and Load's) error when this node cannot
+// run the acceleration; the error says why. Pods are then redirected as without it.
+var ErrUnavailable = errors.New("eBPF acceleration unavailable")
+
+// Features is what Detect found.
+type Features struct {
+	Kernel  string // uname release
+	Cgroup2 string // the cgroup2 directory sockops attaches to (mounted if needed)
+}
+
+// Detect checks, in order, that this node can run the acceleration: the forced
+// setting, the map and program types and helpers, the programs passing the
+// verifier, a bpffs and a cgroup2 hierarchy (each mounted when absent). The
+// error wraps ErrUnavailable and names the first missing piece.
+func Detect(opts Options) (Features, error) {
+	var f Features
+	var u unix.Utsname
+	if err := unix.Uname(&u); err == nil {
+		f.Kernel = unix.ByteSliceToString(u.Release[:])
+	}
+	if err := forced(opts); err != nil {
+		return f, err
+	}
+	for _, c := range []struct {
+		what string
+		err  func() error
+	}{
+		{"map type SOCKHASH", func() error { return features.HaveMapType(ebpf.SockHash) }},
+		{"map type SK_STORAGE", func() error { return features.HaveMapType(ebpf.SkStorage) }},
+		{"program type SOCK_OPS", func() error { return features.HaveProgramType(ebpf.SockOps) }},
+		{"program type SK_MSG", func() error { return features.HaveProgramType(ebpf.SkMsg) }},
+		{"helper bpf_get_netns_cookie in SOCK_OPS (Linux 5.15)", func() error { return features.HaveProgramHelper(ebpf.SockOps, asm.FnGetNetnsCookie) }},
+		{"helper bpf_sk_storage_get in SK_MSG", func() error { return features.HaveProgramHelper(ebpf.SkMsg, asm.FnSkStorageGet) }},
+		{"the programs passing the verifier", verify},
+	} {
+		if err := c.err(); err != nil {
+			return f, fmt.Errorf("%w on kernel %s: %s: %v", ErrUnavailable, f.Kernel, c.what, err)
+		}
+	}
+	if err := ensureBPFFS(opts.pinDir()); err != nil {
+		return f, fmt.Errorf("%w: %v", ErrUnavailable, err)
+	}
+	cg, err := cgroup2Dir(opts)
+	if err != nil {
+		return f, fmt.Errorf("%w: %v", ErrUnavailable, err)
+	}
+	f.Cgroup2 = cg
+	return f, nil
+}
+
+func forced(opts Options) error {
+	if opts.ForceUnavailable != "" {
+		return fmt.Errorf("%w: forced by setting: %s", ErrUnavailable, opts.ForceUnavailable)
+	}
+	return nil
+}
+
+// verify loads the collection and throws it away.
+func verify() error {
+	coll, err := ebpf.NewCollection(spec())
+	if err != nil {
+		return err
+	}
+	coll.Close()
+	return nil
+}
+
+// ensureBPFFS makes sure the pin directory lies on a bpffs, mounting one at
+// DefaultBPFFS when that is where it should be and nothing is mounted there.
+func ensureBPFFS(pinDir string) error {
+	dir := pinDir
+	for {
+		if _, err := os.Stat(dir); err == nil {
+			break
+		}
+		dir = filepath.Dir(dir)
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return fmt.Errorf("statfs %s: %w", dir, err)
+	}
+	if st.Type == unix.BPF_FS_MAGIC {
+		return nil
+	}
+	if !strings.HasPrefix(pinDir, DefaultBPFFS+"/") || (dir != DefaultBPFFS && dir != filepath.Dir(DefaultBPFFS)) {
+		return fmt.Errorf("pin directory %s is not on a bpffs (%s is not one)", pinDir, dir)
+	}
+	if err := os.MkdirAll(DefaultBPFFS, 0o700); err != nil {
+		return fmt.Errorf("create %s: %w", DefaultBPFFS, err)
+	}
+	if err := unix.Mount("bpf", DefaultBPFFS, "bpf", 0, "mode=0700"); err != nil {
+		return fmt.Errorf("mount bpffs at %s: %w", DefaultBPFFS, err)
+	}
+	return nil
+}
+
+// cgroup2Dir returns opts.Cgroup2, else the root of the host's cgroup2 mount,
+// else mounts one at DefaultCgroup2 (next to cgroup v1 hierarchies this is the
+// unified hierarchy every socket also belongs to).
+func cgroup2Dir(opts Options) (string, error) {
+	if opts.Cgroup2 != "" {
+		var st unix.Statfs_t
+		if err := unix.Statfs(opts.Cgroup2, &st); err != nil || st.Type != unix.CGROUP2_SUPER_MAGIC {
+			return "", fmt.Errorf("%s is not a cgroup2 directory", opts.Cgroup2)
+		}
+		return opts.Cgroup2, nil
+	}
+	if p, err := cgroup2Mount(); err != nil || p != "" {
+		return p, err
+	}
+	if err := os.MkdirAll(DefaultCgroup2, 0o755); err != nil {
+		return "", fmt.Errorf("create %s: %w", DefaultCgroup2, err)
+	}
+	if err := unix.Mount("cgroup2", DefaultCgroup2, "cgroup2", 0, ""); err != nil {
+		return "", fmt.Errorf("mount cgroup2 at %s: %w", DefaultCgroup2, err)
+	}
+	return DefaultCgroup2, nil
+}
+
+// cgroup2Mount finds the root of a cgroup2 mount in /proc/self/mountinfo ("" if none).
+func cgroup2Mount() (string, error) {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return "", fmt.Errorf("read mounts: %w", err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		// ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTS [OPTIONAL...] - FSTYPE SOURCE SUPEROPTS
+		pre, post, ok := strings.Cut(sc.Text(), " - ")
+		fields, tail := strings.Fields(pre), strings.Fields(post)
+		if ok && len(fields) >= 5 && len(tail) >= 1 && tail[0] == "cgroup2" && fields[3] == "/" {
+			return fields[4], nil
+		}
+	}
+	return "", sc.Err()
+}
+
+// NetnsCookie returns the cookie of the network namespace at path (a
+// /run/netns bind mount, a runtime's netns file or /proc/PID/ns/net): the value
+// Enable takes, read with SO_NETNS_COOKIE from a socket opened inside it.
+func NetnsCookie(path string) (uint64, error) {
+	var cookie uint64
+	err := netnsutil.Do(path, func() error {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("socket: %w", err)
+		}
+		defer unix.Close(fd)
+		cookie, err = unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
+		if err != nil {
+			return fmt.Errorf("SO_NETNS_COOKIE (Linux 5.14): %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, fmt.Errorf("netns cookie of %s: %w", path, err)
+	}
+	return cookie, nil
+}

@@ -1,0 +1,207 @@
+package sockmap
+
+import (
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/btf"
+)
+
+// Names of the maps and programs, also their pin names under the pin directory.
+const (
+	mapAllow  = "allow"  // HASH netns cookie → 1: the namespaces that opted in
+	mapSocks  = "socks"  // SOCKHASH pairKey → socket: every recorded socket
+	mapPeer   = "peer"   // SK_STORAGE per socket: the key of its peer, and whether it fell back
+	mapStats  = "stats"  // PERCPU_ARRAY[1] of counters
+	progOps   = "sockops"
+	progMsg   = "skmsg"
+	linkOps   = "sockops_link"
+	maxAllow  = 1 << 16
+	maxSocks  = 1 << 18
+	keySize   = 16 // pairKey
+	peerSize  = 24 // peerValue
+	statsSize = 8 * numCounters
+)
+
+// Counter indexes in the stats map's one per-CPU value (u64 each).
+const (
+	ctrSockets    = iota // sockets recorded in the sockhash
+	ctrCollisions        // sockets not recorded: their key was taken or ambiguous
+	ctrMsgs              // messages redirected to the peer socket
+	ctrBytes             // bytes redirected
+	ctrMisses            // messages whose peer was not in the map: sent through TCP
+	numCounters
+)
+
+// Offsets in the kernel's UAPI context structs (include/uapi/linux/bpf.h); the
+// tests check them against the running kernel's BTF.
+const (
+	opsOp      = 0   // bpf_sock_ops.op
+	opsRcvNxt  = 100 // bpf_sock_ops.rcv_nxt
+	opsSndNxt  = 104 // bpf_sock_ops.snd_nxt
+	opsSk      = 184 // bpf_sock_ops.sk
+	msgSize    = 68  // sk_msg_md.size
+	msgSk      = 72  // sk_msg_md.sk
+	opsActive  = 4   // BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB
+	opsPassive = 5   // BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB
+	skPass     = 1   // SK_PASS
+	fIngress   = 1   // BPF_F_INGRESS
+	fNoExist   = 1   // BPF_NOEXIST
+	fCreate    = 1   // BPF_SK_STORAGE_GET_F_CREATE
+)
+
+// The pairing key (16 bytes): {netns cookie u64, seq u32, ack u32}. A TCP socket
+// at the moment it becomes established records itself under
+// {its netns, snd_nxt, rcv_nxt} and its peer under {its netns, rcv_nxt, snd_nxt}:
+// the two ends of one connection see the same two initial sequence numbers
+// swapped, whatever NAT did to their addresses (REDIRECT changes addresses and
+// ports, never sequence numbers), so an app's socket and the proxy's socket it
+// was redirected to pair up, and so do the proxy's socket to the app over
+// 127.0.0.6 and the app's accepted one. Sockets of other namespaces never match
+// (the cookie), and within one namespace a false match needs two 32-bit initial
+// sequence numbers to coincide.
+//
+// The peer value (24 bytes, socket storage): {peer key 16 B, fell back u32, pad}.
+
+// Stack layout of the sockops program (r10-relative).
+const (
+	stCookie = -8  // u64 netns cookie (allow map key)
+	stKey    = -24 // pairKey
+	stZero   = -28 // u32 0 (stats index)
+)
+
+// spec returns the maps and programs. Loading it is the only way the kernel
+// judges them (the verifier), so Detect loads it too.
+func spec() *ebpf.CollectionSpec {
+	u32 := &btf.Int{Name: "u32", Size: 4}
+	return &ebpf.CollectionSpec{
+		Maps: map[string]*ebpf.MapSpec{
+			mapAllow: {Name: mapAllow, Type: ebpf.Hash, KeySize: 8, ValueSize: 1, MaxEntries: maxAllow},
+			mapSocks: {Name: mapSocks, Type: ebpf.SockHash, KeySize: keySize, ValueSize: 8, MaxEntries: maxSocks},
+			mapPeer: {Name: mapPeer, Type: ebpf.SkStorage, KeySize: 4, ValueSize: peerSize,
+				Flags: 1, // BPF_F_NO_PREALLOC, required
+				Key:   u32,
+				Value: &btf.Array{Index: u32, Type: &btf.Int{Name: "u8", Size: 1}, Nelems: peerSize}},
+			mapStats: {Name: mapStats, Type: ebpf.PerCPUArray, KeySize: 4, ValueSize: statsSize, MaxEntries: 1},
+		},
+		Programs: map[string]*ebpf.ProgramSpec{
+			progOps: {Name: progOps, Type: ebpf.SockOps, License: "Dual MIT/GPL", Instructions: sockopsInsns()},
+			progMsg: {Name: progMsg, Type: ebpf.SkMsg, License: "Dual MIT/GPL", Instructions: skmsgInsns()},
+		},
+	}
+}
+
+// count adds the value in reg (or imm when reg is 0xff) to counter ctr; it
+// clobbers r0-r5 and uses the u32 at stZero.
+func count(ctr int, reg asm.Register, imm int32, label string) asm.Instructions {
+	add := asm.Add.Imm(asm.R1, imm)
+	if reg != asm.RFP {
+		add = asm.Add.Reg(asm.R1, reg)
+	}
+	return asm.Instructions{
+		asm.StoreImm(asm.RFP, stZero, 0, asm.Word),
+		asm.LoadMapPtr(asm.R1, 0).WithReference(mapStats),
+		asm.Mov.Reg(asm.R2, asm.RFP),
+		asm.Add.Imm(asm.R2, stZero),
+		asm.FnMapLookupElem.Call(),
+		asm.JEq.Imm(asm.R0, 0, label),
+		asm.LoadMem(asm.R1, asm.R0, int16(8*ctr), asm.DWord),
+		add,
+		asm.StoreMem(asm.R0, int16(8*ctr), asm.R1, asm.DWord),
+		asm.Mov.Imm(asm.R0, 0).WithSymbol(label), // join point
+	}
+}
+
+// sockopsInsns: on ACTIVE/PASSIVE_ESTABLISHED in an allowed netns, write the
+// peer key into the socket's storage and record the socket under its own key
+// (BPF_NOEXIST: a taken key is never overwritten).
+func sockopsInsns() asm.Instructions {
+	ins := asm.Instructions{
+		asm.Mov.Reg(asm.R6, asm.R1).WithSymbol(progOps),
+		asm.LoadMem(asm.R2, asm.R6, opsOp, asm.Word),
+		asm.JEq.Imm(asm.R2, opsActive, "est"),
+		asm.JEq.Imm(asm.R2, opsPassive, "est"),
+		asm.Ja.Label("out"),
+		// Is this netns allowed?
+		asm.Mov.Reg(asm.R1, asm.R6).WithSymbol("est"),
+		asm.FnGetNetnsCookie.Call(),
+		asm.Mov.Reg(asm.R7, asm.R0),
+		asm.StoreMem(asm.RFP, stCookie, asm.R7, asm.DWord),
+		asm.LoadMapPtr(asm.R1, 0).WithReference(mapAllow),
+		asm.Mov.Reg(asm.R2, asm.RFP),
+		asm.Add.Imm(asm.R2, stCookie),
+		asm.FnMapLookupElem.Call(),
+		asm.JEq.Imm(asm.R0, 0, "out"),
+		// The two sequence numbers; equal ones would pair the socket with itself.
+		asm.LoadMem(asm.R8, asm.R6, opsSndNxt, asm.Word),
+		asm.LoadMem(asm.R9, asm.R6, opsRcvNxt, asm.Word),
+		asm.JEq.Reg(asm.R8, asm.R9, "collide"),
+		// Socket storage: the peer's key, not fallen back.
+		asm.LoadMem(asm.R2, asm.R6, opsSk, asm.DWord),
+		asm.JEq.Imm(asm.R2, 0, "out"),
+		asm.LoadMapPtr(asm.R1, 0).WithReference(mapPeer),
+		asm.Mov.Imm(asm.R3, 0),
+		asm.Mov.Imm(asm.R4, fCreate),
+		asm.FnSkStorageGet.Call(),
+		asm.JEq.Imm(asm.R0, 0, "out"),
+		asm.StoreMem(asm.R0, 0, asm.R7, asm.DWord),
+		asm.StoreMem(asm.R0, 8, asm.R9, asm.Word),
+		asm.StoreMem(asm.R0, 12, asm.R8, asm.Word),
+		asm.StoreImm(asm.R0, 16, 0, asm.Word),
+		// Record the socket under its own key.
+		asm.StoreMem(asm.RFP, stKey, asm.R7, asm.DWord),
+		asm.StoreMem(asm.RFP, stKey+8, asm.R8, asm.Word),
+		asm.StoreMem(asm.RFP, stKey+12, asm.R9, asm.Word),
+		asm.Mov.Reg(asm.R1, asm.R6),
+		asm.LoadMapPtr(asm.R2, 0).WithReference(mapSocks),
+		asm.Mov.Reg(asm.R3, asm.RFP),
+		asm.Add.Imm(asm.R3, stKey),
+		asm.Mov.Imm(asm.R4, fNoExist),
+		asm.FnSockHashUpdate.Call(),
+		asm.JNE.Imm(asm.R0, 0, "collide"),
+	}
+	ins = append(ins, count(ctrSockets, asm.RFP, 1, "counted")...)
+	ins = append(ins, asm.Ja.Label("out"))
+	ins = append(ins, asm.Mov.Imm(asm.R0, 0).WithSymbol("collide"))
+	ins = append(ins, count(ctrCollisions, asm.RFP, 1, "counted2")...)
+	return append(ins,
+		asm.Mov.Imm(asm.R0, 1).WithSymbol("out"),
+		asm.Return(),
+	)
+}
+
+// skmsgInsns: a message sent on a recorded socket goes straight into its peer's
+// receive queue (bpf_msg_redirect_hash, BPF_F_INGRESS). When the peer is not in
+// the map the message passes through TCP, and so does everything the socket
+// sends after it: the receiver reads its redirected queue before its TCP one, so
+// switching back to redirecting would reorder the stream.
+func skmsgInsns() asm.Instructions {
+	ins := asm.Instructions{
+		asm.Mov.Reg(asm.R6, asm.R1).WithSymbol(progMsg),
+		asm.LoadMem(asm.R2, asm.R6, msgSk, asm.DWord),
+		asm.JEq.Imm(asm.R2, 0, "pass"),
+		asm.LoadMapPtr(asm.R1, 0).WithReference(mapPeer),
+		asm.Mov.Imm(asm.R3, 0),
+		asm.Mov.Imm(asm.R4, 0),
+		asm.FnSkStorageGet.Call(),
+		asm.JEq.Imm(asm.R0, 0, "pass"),
+		asm.Mov.Reg(asm.R7, asm.R0),
+		asm.LoadMem(asm.R1, asm.R7, 16, asm.Word),
+		asm.JNE.Imm(asm.R1, 0, "pass"),
+		asm.LoadMem(asm.R8, asm.R6, msgSize, asm.Word),
+		asm.Mov.Reg(asm.R1, asm.R6),
+		asm.LoadMapPtr(asm.R2, 0).WithReference(mapSocks),
+		asm.Mov.Reg(asm.R3, asm.R7),
+		asm.Mov.Imm(asm.R4, fIngress),
+		asm.FnMsgRedirectHash.Call(),
+		asm.JNE.Imm(asm.R0, skPass, "miss"),
+	}
+	ins = append(ins, count(ctrMsgs, asm.RFP, 1, "c1")...)
+	ins = append(ins, count(ctrBytes, asm.R8, 0, "c2")...)
+	ins = append(ins, asm.Ja.Label("pass"))
+	ins = append(ins, asm.StoreImm(asm.R7, 16, 1, asm.Word).WithSymbol("miss"))
+	ins = append(ins, count(ctrMisses, asm.RFP, 1, "c3")...)
+	return append(ins,
+		asm.Mov.Imm(asm.R0, skPass).WithSymbol("pass"),
+		asm.Return(),
+	)
+}
