@@ -101,30 +101,32 @@ func startEcho(t testing.TB, ns, addr string) {
 		t.Fatalf("echo listen %s: %v", addr, err)
 	}
 	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				buf := make([]byte, 64<<10)
-				for {
-					n, err := c.Read(buf)
-					if n > 0 {
-						if _, werr := c.Write(buf[:n]); werr != nil {
-							return
-						}
-					}
-					if err != nil {
-						_ = c.(*net.TCPConn).CloseWrite()
+	go serveEcho(ln)
+}
+
+func serveEcho(ln net.Listener) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			buf := make([]byte, 64<<10)
+			for {
+				n, err := c.Read(buf)
+				if n > 0 {
+					if _, werr := c.Write(buf[:n]); werr != nil {
 						return
 					}
 				}
-			}()
-		}
-	}()
+				if err != nil {
+					_ = c.(*net.TCPConn).CloseWrite()
+					return
+				}
+			}
+		}()
+	}
 }
 
 // dial connects from inside ns (an in-process socket: root, so redirected).
@@ -185,4 +187,18 @@ func stats(t testing.TB, a *sockmap.Accel) sockmap.Stats {
 		t.Fatal(err)
 	}
 	return s
+}
+
+func listenIn(t testing.TB, ns, addr string) net.Listener {
+	t.Helper()
+	var ln net.Listener
+	if err := traffic.InNetns(ns, func() (err error) { ln, err = net.Listen("tcp", addr); return err }); err != nil {
+		t.Fatalf("listen %s: %v", addr, err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	return ln
+}
+
+func withPort(ap netip.AddrPort, port uint16) netip.AddrPort {
+	return netip.AddrPortFrom(ap.Addr(), port)
 }

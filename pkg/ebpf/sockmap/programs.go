@@ -8,10 +8,10 @@ import (
 
 // Names of the maps and programs, also their pin names under the pin directory.
 const (
-	mapAllow  = "allow"  // HASH netns cookie → 1: the namespaces that opted in
-	mapSocks  = "socks"  // SOCKHASH pairKey → socket: every recorded socket
-	mapPeer   = "peer"   // SK_STORAGE per socket: the key of its peer, and whether it fell back
-	mapStats  = "stats"  // PERCPU_ARRAY[1] of counters
+	mapAllow  = "allow" // HASH netns cookie → 1: the namespaces that opted in
+	mapSocks  = "socks" // SOCKHASH pairKey → socket: every recorded socket
+	mapPeer   = "peer"  // SK_STORAGE per socket: the key of its peer, and whether it fell back
+	mapStats  = "stats" // PERCPU_ARRAY[1] of counters
 	progOps   = "sockops"
 	progMsg   = "skmsg"
 	linkOps   = "sockops_link"

@@ -1,7 +1,6 @@
 package sockmap_test
 
 import (
-	"os"
 	"net/netip"
 	"testing"
 	"time"
@@ -16,8 +15,7 @@ import (
 func TestAcceleratedHops(t *testing.T) {
 	a, _ := load(t)
 	p := newPod(t)
-	if os.Getenv("NOACCEL") != "" {
-	} else if err := a.Enable(cookie(t, p.NetNS)); err != nil {
+	if err := a.Enable(cookie(t, p.NetNS)); err != nil {
 		t.Fatal(err)
 	}
 	cases := []struct {
@@ -34,7 +32,6 @@ func TestAcceleratedHops(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			before := stats(t, a)
-			t.Cleanup(func() { t.Logf("stats at end: %+v", stats(t, a)) })
 			c := dial(t, tc.from, tc.dst)
 			local := c.LocalAddr().String()
 			roundTrip(t, c, 4<<20)
