@@ -10,6 +10,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/features"
 	"golang.org/x/sys/unix"
 
@@ -49,6 +50,7 @@ func Detect(opts Options) (Features, error) {
 		{"program type SK_MSG", func() error { return features.HaveProgramType(ebpf.SkMsg) }},
 		{"helper bpf_get_netns_cookie in SOCK_OPS (Linux 5.15)", func() error { return features.HaveProgramHelper(ebpf.SockOps, asm.FnGetNetnsCookie) }},
 		{"helper bpf_sk_storage_get in SK_MSG", func() error { return features.HaveProgramHelper(ebpf.SkMsg, asm.FnSkStorageGet) }},
+		{"kernel BTF with struct sock's sk_uid", func() error { _, err := skUIDOffset(); return err }},
 		{"the programs passing the verifier", verify},
 	} {
 		if err := c.err(); err != nil {
@@ -73,9 +75,62 @@ func forced(opts Options) error {
 	return nil
 }
 
+// skUIDOffset is the byte offset of sk_uid in the running kernel's struct sock
+// (its BTF), read by sockops to leave the proxy's own sockets alone.
+func skUIDOffset() (int16, error) {
+	kspec, err := btf.LoadKernelSpec()
+	if err != nil {
+		return 0, err
+	}
+	var sock *btf.Struct
+	if err := kspec.TypeByName("sock", &sock); err != nil {
+		return 0, err
+	}
+	if off, ok := memberOffset(sock.Members, "sk_uid"); ok {
+		return int16(off), nil
+	}
+	return 0, fmt.Errorf("struct sock has no sk_uid")
+}
+
+// memberOffset finds a member by name, also inside anonymous structs and unions.
+func memberOffset(ms []btf.Member, name string) (uint32, bool) {
+	for _, m := range ms {
+		if m.Name == name {
+			return m.Offset.Bytes(), true
+		}
+		if m.Name != "" {
+			continue
+		}
+		var inner []btf.Member
+		switch t := btf.UnderlyingType(m.Type).(type) {
+		case *btf.Struct:
+			inner = t.Members
+		case *btf.Union:
+			inner = t.Members
+		}
+		if off, ok := memberOffset(inner, name); ok {
+			return m.Offset.Bytes() + off, true
+		}
+	}
+	return 0, false
+}
+
+// loadSpec is spec for the running kernel.
+func loadSpec() (*ebpf.CollectionSpec, error) {
+	off, err := skUIDOffset()
+	if err != nil {
+		return nil, fmt.Errorf("kernel BTF: %w", err)
+	}
+	return spec(off), nil
+}
+
 // verify loads the collection and throws it away.
 func verify() error {
-	coll, err := ebpf.NewCollection(spec())
+	cs, err := loadSpec()
+	if err != nil {
+		return err
+	}
+	coll, err := ebpf.NewCollection(cs)
 	if err != nil {
 		return err
 	}

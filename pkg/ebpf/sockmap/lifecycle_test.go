@@ -17,6 +17,7 @@ import (
 
 	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/traffic"
 	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
 )
 
@@ -68,7 +69,7 @@ func resetScenario(t *testing.T, p *pod) (got []byte, want []byte, end string) {
 func TestBehavesAsPlainTCP(t *testing.T) {
 	a, _ := load(t)
 	plain, accel := newPod(t), newPod(t)
-	if err := a.Enable(cookie(t, accel.NetNS)); err != nil {
+	if err := a.Enable(cookie(t, accel.NetNS), traffic.ProxyUID); err != nil {
 		t.Fatal(err)
 	}
 	t.Run("half-close", func(t *testing.T) {
@@ -132,7 +133,7 @@ func TestAgentRestart(t *testing.T) {
 	a, opts := load(t)
 	p := newPod(t)
 	ck := cookie(t, p.NetNS)
-	if err := a.Enable(ck); err != nil {
+	if err := a.Enable(ck, traffic.ProxyUID); err != nil {
 		t.Fatal(err)
 	}
 	c := dial(t, p.NetNS, peer4)

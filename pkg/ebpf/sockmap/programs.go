@@ -36,6 +36,11 @@ const (
 // tests check them against the running kernel's BTF.
 const (
 	opsOp      = 0   // bpf_sock_ops.op
+	opsFamily  = 20  // bpf_sock_ops.family
+	opsRemote4 = 24  // bpf_sock_ops.remote_ip4
+	opsLocal4  = 28  // bpf_sock_ops.local_ip4
+	opsRemote6 = 32  // bpf_sock_ops.remote_ip6
+	opsLocal6  = 48  // bpf_sock_ops.local_ip6
 	opsRcvNxt  = 100 // bpf_sock_ops.rcv_nxt
 	opsSndNxt  = 104 // bpf_sock_ops.snd_nxt
 	opsSk      = 184 // bpf_sock_ops.sk
@@ -47,6 +52,7 @@ const (
 	fIngress   = 1   // BPF_F_INGRESS
 	fNoExist   = 1   // BPF_NOEXIST
 	fCreate    = 1   // BPF_SK_STORAGE_GET_F_CREATE
+	afInet     = 2   // AF_INET
 )
 
 // The pairing key (16 bytes): {netns cookie u64, seq u32, ack u32}. A TCP socket
@@ -69,13 +75,14 @@ const (
 	stZero   = -28 // u32 0 (stats index)
 )
 
-// spec returns the maps and programs. Loading it is the only way the kernel
+// spec returns the maps and programs; uidOff is the offset of sk_uid in the
+// kernel's struct sock (kernelLayout). Loading it is the only way the kernel
 // judges them (the verifier), so Detect loads it too.
-func spec() *ebpf.CollectionSpec {
+func spec(uidOff int16) *ebpf.CollectionSpec {
 	u32 := &btf.Int{Name: "u32", Size: 4}
 	return &ebpf.CollectionSpec{
 		Maps: map[string]*ebpf.MapSpec{
-			mapAllow: {Name: mapAllow, Type: ebpf.Hash, KeySize: 8, ValueSize: 1, MaxEntries: maxAllow},
+			mapAllow: {Name: mapAllow, Type: ebpf.Hash, KeySize: 8, ValueSize: 4, MaxEntries: maxAllow},
 			mapSocks: {Name: mapSocks, Type: ebpf.SockHash, KeySize: keySize, ValueSize: 8, MaxEntries: maxSocks},
 			mapPeer: {Name: mapPeer, Type: ebpf.SkStorage, KeySize: 4, ValueSize: peerSize,
 				Flags: 1, // BPF_F_NO_PREALLOC, required
@@ -84,7 +91,7 @@ func spec() *ebpf.CollectionSpec {
 			mapStats: {Name: mapStats, Type: ebpf.PerCPUArray, KeySize: 4, ValueSize: statsSize, MaxEntries: 1},
 		},
 		Programs: map[string]*ebpf.ProgramSpec{
-			progOps: {Name: progOps, Type: ebpf.SockOps, License: "Dual MIT/GPL", Instructions: sockopsInsns()},
+			progOps: {Name: progOps, Type: ebpf.SockOps, License: "Dual MIT/GPL", Instructions: sockopsInsns(uidOff)},
 			progMsg: {Name: progMsg, Type: ebpf.SkMsg, License: "Dual MIT/GPL", Instructions: skmsgInsns()},
 		},
 	}
@@ -111,10 +118,46 @@ func count(ctr int, reg asm.Register, imm int32, label string) asm.Instructions 
 	}
 }
 
-// sockopsInsns: on ACTIVE/PASSIVE_ESTABLISHED in an allowed netns, write the
+// localOnly jumps to yes when the address at the context offsets (IPv4 off4,
+// IPv6 off6) exists only inside the pod: 127.0.0.0/8, ::1, ::6 (Istio's IPv6
+// inbound passthrough source) or ::ffff:127.0.0.0/104. The words are in network
+// byte order, read as little-endian u32 (amd64, arm64).
+func localOnly(off4, off6 int16, yes, id string) asm.Instructions {
+	v6, w3, end := id+"_v6", id+"_w3", id+"_end"
+	return asm.Instructions{
+		asm.LoadMem(asm.R1, asm.R6, opsFamily, asm.Word),
+		asm.JNE.Imm(asm.R1, afInet, v6),
+		asm.LoadMem(asm.R2, asm.R6, off4, asm.Word),
+		asm.And.Imm(asm.R2, 0xff),
+		asm.JEq.Imm(asm.R2, 127, yes),
+		asm.Ja.Label(end),
+		asm.LoadMem(asm.R2, asm.R6, off6, asm.Word).WithSymbol(v6),
+		asm.JNE.Imm(asm.R2, 0, end),
+		asm.LoadMem(asm.R2, asm.R6, off6+4, asm.Word),
+		asm.JNE.Imm(asm.R2, 0, end),
+		asm.LoadMem(asm.R2, asm.R6, off6+8, asm.Word),
+		asm.JEq.Imm(asm.R2, 0, w3),
+		asm.LoadImm(asm.R3, 0xffff0000, asm.DWord),
+		asm.JNE.Reg(asm.R2, asm.R3, end),
+		asm.LoadMem(asm.R2, asm.R6, off6+12, asm.Word),
+		asm.And.Imm(asm.R2, 0xff),
+		asm.JEq.Imm(asm.R2, 127, yes),
+		asm.Ja.Label(end),
+		asm.LoadMem(asm.R2, asm.R6, off6+12, asm.Word).WithSymbol(w3),
+		asm.JEq.Imm(asm.R2, 0x01000000, yes),
+		asm.JEq.Imm(asm.R2, 0x06000000, yes),
+		asm.Mov.Imm(asm.R0, 0).WithSymbol(end),
+	}
+}
+
+// sockopsInsns: on ACTIVE/PASSIVE_ESTABLISHED in an allowed netns, for a socket
+// that can be one end of an in-pod hop — one of its addresses exists only
+// inside the pod, or it is an active socket not owned by the pod's proxy UID
+// (an app's connection, which the redirect sends to the proxy) — write the
 // peer key into the socket's storage and record the socket under its own key
-// (BPF_NOEXIST: a taken key is never overwritten).
-func sockopsInsns() asm.Instructions {
+// (BPF_NOEXIST: a taken key is never overwritten). The proxy's own connections
+// to the network and connections from the network are left alone.
+func sockopsInsns(uidOff int16) asm.Instructions {
 	ins := asm.Instructions{
 		asm.Mov.Reg(asm.R6, asm.R1).WithSymbol(progOps),
 		asm.LoadMem(asm.R2, asm.R6, opsOp, asm.Word),
@@ -131,8 +174,21 @@ func sockopsInsns() asm.Instructions {
 		asm.Add.Imm(asm.R2, stCookie),
 		asm.FnMapLookupElem.Call(),
 		asm.JEq.Imm(asm.R0, 0, "out"),
+		asm.LoadMem(asm.R9, asm.R0, 0, asm.Word), // the pod's proxy UID
+	}
+	ins = append(ins, localOnly(opsLocal4, opsLocal6, "hop", "l")...)
+	ins = append(ins, localOnly(opsRemote4, opsRemote6, "hop", "r")...)
+	ins = append(ins,
+		asm.LoadMem(asm.R2, asm.R6, opsOp, asm.Word),
+		asm.JNE.Imm(asm.R2, opsActive, "out"),
+		asm.LoadMem(asm.R1, asm.R6, opsSk, asm.DWord),
+		asm.JEq.Imm(asm.R1, 0, "out"),
+		asm.FnSkcToTcpSock.Call(),
+		asm.JEq.Imm(asm.R0, 0, "out"),
+		asm.LoadMem(asm.R1, asm.R0, uidOff, asm.Word), // sk->sk_uid
+		asm.JEq.Reg(asm.R1, asm.R9, "out"),
 		// The two sequence numbers; equal ones would pair the socket with itself.
-		asm.LoadMem(asm.R8, asm.R6, opsSndNxt, asm.Word),
+		asm.LoadMem(asm.R8, asm.R6, opsSndNxt, asm.Word).WithSymbol("hop"),
 		asm.LoadMem(asm.R9, asm.R6, opsRcvNxt, asm.Word),
 		asm.JEq.Reg(asm.R8, asm.R9, "collide"),
 		// Socket storage: the peer's key, not fallen back.
@@ -158,7 +214,7 @@ func sockopsInsns() asm.Instructions {
 		asm.Mov.Imm(asm.R4, fNoExist),
 		asm.FnSockHashUpdate.Call(),
 		asm.JNE.Imm(asm.R0, 0, "collide"),
-	}
+	)
 	ins = append(ins, count(ctrSockets, asm.RFP, 1, "counted")...)
 	ins = append(ins, asm.Ja.Label("out"))
 	ins = append(ins, asm.Mov.Imm(asm.R0, 0).WithSymbol("collide"))

@@ -38,7 +38,7 @@ func TestSameFourTupleInTwoPods(t *testing.T) {
 	a, _ := load(t)
 	pods := []*pod{newPod(t), newPod(t)}
 	for _, p := range pods {
-		if err := a.Enable(cookie(t, p.NetNS)); err != nil {
+		if err := a.Enable(cookie(t, p.NetNS), traffic.ProxyUID); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -79,7 +79,7 @@ func TestSameFourTupleInTwoPods(t *testing.T) {
 func TestOthersUntouched(t *testing.T) {
 	a, _ := load(t)
 	in, out := newPod(t), newPod(t)
-	if err := a.Enable(cookie(t, in.NetNS)); err != nil {
+	if err := a.Enable(cookie(t, in.NetNS), traffic.ProxyUID); err != nil {
 		t.Fatal(err)
 	}
 	const n = 1 << 20

@@ -93,7 +93,11 @@ func create(opts Options) (*Accel, error) {
 	if err := os.MkdirAll(opts.pinDir(), 0o700); err != nil {
 		return nil, fmt.Errorf("create pin directory: %w", err)
 	}
-	coll, err := ebpf.NewCollection(spec())
+	cs, err := loadSpec()
+	if err != nil {
+		return nil, err
+	}
+	coll, err := ebpf.NewCollection(cs)
 	if err != nil {
 		return nil, fmt.Errorf("load eBPF programs: %w", err)
 	}
@@ -160,9 +164,10 @@ func (a *Accel) Close() error {
 }
 
 // Enable accelerates the TCP connections that become established from now on in
-// the network namespace with this cookie (NetnsCookie).
-func (a *Accel) Enable(netnsCookie uint64) error {
-	if err := a.allow.Update(netnsCookie, uint8(1), ebpf.UpdateAny); err != nil {
+// the network namespace with this cookie (NetnsCookie). proxyUID is the pod's
+// proxy UID (Istio: 1337): its connections to the network are left alone.
+func (a *Accel) Enable(netnsCookie uint64, proxyUID uint32) error {
+	if err := a.allow.Update(netnsCookie, proxyUID, ebpf.UpdateAny); err != nil {
 		return fmt.Errorf("enable eBPF acceleration for netns cookie %d: %w", netnsCookie, err)
 	}
 	return nil
@@ -181,7 +186,7 @@ func (a *Accel) Disable(netnsCookie uint64) error {
 
 // Enabled reports whether the namespace with this cookie is on the allow-list.
 func (a *Accel) Enabled(netnsCookie uint64) (bool, error) {
-	var v uint8
+	var v uint32
 	err := a.allow.Lookup(netnsCookie, &v)
 	if errors.Is(err, ebpf.ErrKeyNotExist) {
 		return false, nil

@@ -1,0 +1,204 @@
+package sockmap_test
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/meshcni/meshcni/internal/traffic"
+)
+
+// BenchmarkHop measures a meshed pod's traffic app → proxy (REDIRECT to 15001)
+// → peer, with acceleration off and on interleaved: every iteration runs one
+// unit with the pod disabled and one with it enabled (alternating which goes
+// first), so both see the same machine. Sub-benchmarks: pinned (the test binary
+// and the proxy on CPU 0) and unpinned; rr = 64 B request/response latency
+// (100 round trips on one connection per unit), bulk = one 4 MiB upload per
+// unit, connect = 20 connections set up, 1 B echoed and closed per unit.
+// Metrics: the off and on figures and their ratio (>1: acceleration helps).
+//
+//	go test -run '^$' -bench Hop -benchtime 200x ./pkg/ebpf/sockmap/
+func BenchmarkHop(b *testing.B) {
+	a, _ := load(b)
+	p := newPod(b)
+	ck := cookie(b, p.NetNS)
+	sink := listenIn(b, p.PeerNetNS, "[::]:8082")
+	go serveSink(sink)
+	set := func(on bool) {
+		var err error
+		if on {
+			err = a.Enable(ck, traffic.ProxyUID)
+		} else {
+			err = a.Disable(ck)
+		}
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+	pids := []int{os.Getpid(), p.proxy.Cmd.Process.Pid}
+	for _, cpu := range []string{"pinned", "unpinned"} {
+		pin := func(b *testing.B) {
+			if err := setAffinity(pids, cpu == "pinned"); err != nil {
+				b.Fatalf("affinity: %v", err)
+			}
+			b.Cleanup(func() { _ = setAffinity(pids, false) })
+		}
+		b.Run("rr/"+cpu, func(b *testing.B) {
+			pin(b)
+			var lat [2][]time.Duration
+			interleave(b, set, func(on int) { lat[on] = append(lat[on], rrUnit(b, p, 100)...) })
+			for i, name := range []string{"off", "on"} {
+				slices.Sort(lat[i])
+				b.ReportMetric(float64(pct(lat[i], 50))/1e3, "p50-"+name+"-µs")
+				b.ReportMetric(float64(pct(lat[i], 99))/1e3, "p99-"+name+"-µs")
+			}
+			b.ReportMetric(float64(pct(lat[0], 50))/float64(pct(lat[1], 50)), "p50-off/on")
+			b.ReportMetric(float64(pct(lat[0], 99))/float64(pct(lat[1], 99)), "p99-off/on")
+		})
+		b.Run("bulk/"+cpu, func(b *testing.B) {
+			pin(b)
+			var dur [2]time.Duration
+			const size = 4 << 20
+			interleave(b, set, func(on int) { dur[on] += bulkUnit(b, p, size) })
+			mb := float64(size*b.N) / 1e6
+			b.ReportMetric(mb/dur[0].Seconds(), "MB/s-off")
+			b.ReportMetric(mb/dur[1].Seconds(), "MB/s-on")
+			b.ReportMetric(dur[0].Seconds()/dur[1].Seconds(), "off/on")
+		})
+		b.Run("connect/"+cpu, func(b *testing.B) {
+			pin(b)
+			var dur [2]time.Duration
+			const conns = 20
+			interleave(b, set, func(on int) { dur[on] += connectUnit(b, p, conns) })
+			n := float64(conns * b.N)
+			b.ReportMetric(n/dur[0].Seconds(), "conn/s-off")
+			b.ReportMetric(n/dur[1].Seconds(), "conn/s-on")
+			b.ReportMetric(dur[0].Seconds()/dur[1].Seconds(), "off/on")
+		})
+	}
+	s, err := a.Stats()
+	if err == nil {
+		b.Logf("stats: %+v", s)
+	}
+}
+
+// interleave runs unit(0) with acceleration off and unit(1) with it on, b.N
+// times, alternating the order.
+func interleave(b *testing.B, set func(bool), unit func(on int)) {
+	b.ResetTimer()
+	for i := range b.N {
+		for _, on := range [][2]int{{0, 1}, {1, 0}}[i%2] {
+			set(on == 1)
+			unit(on)
+		}
+	}
+}
+
+func rrUnit(b *testing.B, p *pod, n int) []time.Duration {
+	c := dial(b, p.NetNS, peer4)
+	defer c.Close()
+	_ = c.SetNoDelay(true)
+	msg, got := make([]byte, 64), make([]byte, 64)
+	lat := make([]time.Duration, 0, n)
+	for range n {
+		start := time.Now()
+		if _, err := c.Write(msg); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, got); err != nil {
+			b.Fatal(err)
+		}
+		lat = append(lat, time.Since(start))
+	}
+	return lat
+}
+
+// bulkUnit uploads size bytes to the peer's sink and waits until it has read
+// them all (its EOF comes back after the app's).
+func bulkUnit(b *testing.B, p *pod, size int) time.Duration {
+	c := dial(b, p.NetNS, withPort(peer4, 8082))
+	defer c.Close()
+	buf := make([]byte, 64<<10)
+	start := time.Now()
+	for sent := 0; sent < size; sent += len(buf) {
+		if _, err := c.Write(buf); err != nil {
+			b.Fatal(err)
+		}
+	}
+	_ = c.CloseWrite()
+	if _, err := io.ReadAll(c); err != nil {
+		b.Fatal(err)
+	}
+	return time.Since(start)
+}
+
+func connectUnit(b *testing.B, p *pod, n int) time.Duration {
+	one := make([]byte, 1)
+	start := time.Now()
+	for range n {
+		c := dial(b, p.NetNS, peer4)
+		if _, err := c.Write(one); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, one); err != nil {
+			b.Fatal(err)
+		}
+		c.Close()
+	}
+	return time.Since(start)
+}
+
+func serveSink(ln net.Listener) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			_, _ = io.Copy(io.Discard, c)
+		}()
+	}
+}
+
+func pct(sorted []time.Duration, p int) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	return sorted[min(len(sorted)-1, len(sorted)*p/100)]
+}
+
+// setAffinity puts every thread of the processes on CPU 0 (pinned) or on all
+// CPUs; threads created later inherit it from their creator.
+func setAffinity(pids []int, pinned bool) error {
+	var set unix.CPUSet
+	if pinned {
+		set.Set(0)
+	} else {
+		for i := range runtime.NumCPU() {
+			set.Set(i)
+		}
+	}
+	for _, pid := range pids {
+		tasks, err := os.ReadDir(filepath.Join("/proc", strconv.Itoa(pid), "task"))
+		if err != nil {
+			return err
+		}
+		for _, t := range tasks {
+			tid, _ := strconv.Atoi(t.Name())
+			if err := unix.SchedSetaffinity(tid, &set); err != nil && err != unix.ESRCH {
+				return fmt.Errorf("task %d: %w", tid, err)
+			}
+		}
+	}
+	return nil
+}
