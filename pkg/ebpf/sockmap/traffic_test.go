@@ -1,12 +1,16 @@
 package sockmap_test
 
 import (
+	"context"
+	"io"
 	"net/netip"
 	"testing"
 	"time"
 
 	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/spec"
 )
 
 // TestAcceleratedHops: in an opted-in meshed pod, app → proxy (outbound, after
@@ -50,5 +54,78 @@ func TestAcceleratedHops(t *testing.T) {
 				t.Errorf("recorded %d sockets, want the hop's 2", got)
 			}
 		})
+	}
+}
+
+// TestShortConnections: 200 connections each way that write their one request
+// byte right after connect: each connection's hop is recorded, and each of
+// its two messages on the hop is either redirected or passed to TCP (a miss:
+// the app wrote before the proxy's end was established) — never dropped, the
+// byte comes back.
+func TestShortConnections(t *testing.T) {
+	a, _ := load(t)
+	p := newPod(t)
+	if err := a.Enable(cookie(t, p.NetNS), traffic.ProxyUID); err != nil {
+		t.Fatal(err)
+	}
+	const n = 200
+	for _, tc := range []struct {
+		name, from string
+		dst        netip.AddrPort
+	}{{"outbound", p.NetNS, peer4}, {"inbound", p.PeerNetNS, pod4}} {
+		before := stats(t, a)
+		for i := range n {
+			c := dial(t, tc.from, tc.dst)
+			_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+			b := []byte{byte(i)}
+			if _, err := c.Write(b); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := io.ReadFull(c, b); err != nil || b[0] != byte(i) {
+				t.Fatalf("%s connection %d: echo %v, %v", tc.name, i, b, err)
+			}
+			c.Close()
+		}
+		after := stats(t, a)
+		rec, msgs, misses := after.Recorded-before.Recorded, after.Messages-before.Messages, after.Misses-before.Misses
+		t.Logf("%s: %d connections, %d sockets recorded, %d messages redirected, %d misses", tc.name, n, rec, msgs, misses)
+		if rec != 2*n {
+			t.Errorf("%s: %d sockets recorded, want %d (each connection's hop)", tc.name, rec, 2*n)
+		}
+		if msgs+misses != 2*n {
+			t.Errorf("%s: %d redirected + %d missed messages, want %d (request and reply on each hop)", tc.name, msgs, misses, 2*n)
+		}
+	}
+}
+
+// TestTPROXYInbound: with inbound capture by TPROXY, the proxy's transparent
+// socket (facing the network) is left alone and its dial to the app from
+// 127.0.0.6 / ::6 is accelerated, byte-exact, with the original destination
+// recorded.
+func TestTPROXYInbound(t *testing.T) {
+	a, _ := load(t)
+	p := &pod{Pod: traffic.NewPod(t)}
+	startEcho(t, p.NetNS, "[::]:9090")
+	s := spec.PodDefaults()
+	s.EnableIPv6 = true
+	s.Mode = spec.ModeTProxy
+	if _, err := engine.Apply(context.Background(), engine.Options{NetnsPath: p.NetNS}, &s); err != nil {
+		t.Fatalf("apply the redirect: %v", err)
+	}
+	p.proxy = traffic.StartProxy(t, p.NetNS, traffic.ProxyOptions{TPROXY: true, Args: []string{
+		"--mode=forward", "--no-splice", "--inbound-source=127.0.0.6", "--inbound-source-v6=::6", "--log-level=error"}})
+	if err := a.Enable(cookie(t, p.NetNS), traffic.ProxyUID); err != nil {
+		t.Fatal(err)
+	}
+	for _, dst := range []netip.AddrPort{pod4, pod6} {
+		before := stats(t, a)
+		roundTrip(t, dial(t, p.PeerNetNS, dst), 4<<20)
+		p.proxy.WaitRecord(t, 5*time.Second, func(r proxysim.Record) bool {
+			return r.Listener == proxysim.ListenerInbound && r.OrigDst == dst
+		})
+		after := stats(t, a)
+		if rec := after.Recorded - before.Recorded; rec != 2 || after.Bytes-before.Bytes < 8<<20 {
+			t.Errorf("%v: %d sockets recorded (want the hop's 2), %d bytes redirected (want ≥ 8 MiB)", dst, rec, after.Bytes-before.Bytes)
+		}
 	}
 }
