@@ -15,16 +15,17 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
 )
 
 // BenchmarkHop measures a meshed pod's traffic app → proxy (REDIRECT to 15001)
 // → peer, with acceleration off and on interleaved: every iteration runs one
-// unit with the pod disabled and one with it enabled (alternating which goes
-// first), so both see the same machine. Sub-benchmarks: pinned (the test binary
+// unit in each mode (rotating which goes first), so all see the same machine. Sub-benchmarks: pinned (the test binary
 // and the proxy on CPU 0) and unpinned; rr = 64 B request/response latency
 // (100 round trips on one connection per unit), bulk = one 4 MiB upload per
 // unit, connect = 20 connections set up, 1 B echoed and closed per unit.
-// Metrics: the off and on figures and their ratio (>1: acceleration helps).
+// Metrics: the figures per mode (off, toproxy = Pod{}, both = Pod{ToApp:
+// true}) and the ratios off/mode (>1: acceleration helps).
 //
 //	go test -run '^$' -bench Hop -benchtime 200x ./pkg/ebpf/sockmap/
 func BenchmarkHop(b *testing.B) {
@@ -33,12 +34,15 @@ func BenchmarkHop(b *testing.B) {
 	ck := cookie(b, p.NetNS)
 	sink := listenIn(b, p.PeerNetNS, "[::]:8082")
 	go serveSink(sink)
-	set := func(on bool) {
+	set := func(mode int) {
 		var err error
-		if on {
-			err = a.Enable(ck, traffic.ProxyUID)
-		} else {
+		switch mode {
+		case off:
 			err = a.Disable(ck)
+		case toProxy:
+			err = a.Enable(ck, sockmap.Pod{ProxyUID: traffic.ProxyUID})
+		case both:
+			err = a.Enable(ck, sockmap.Pod{ProxyUID: traffic.ProxyUID, ToApp: true})
 		}
 		if err != nil {
 			b.Fatal(err)
@@ -54,35 +58,31 @@ func BenchmarkHop(b *testing.B) {
 		}
 		b.Run("rr/"+cpu, func(b *testing.B) {
 			pin(b)
-			var lat [2][]time.Duration
-			interleave(b, set, func(on int) { lat[on] = append(lat[on], rrUnit(b, p, 100)...) })
-			for i, name := range []string{"off", "on"} {
-				slices.Sort(lat[i])
-				b.ReportMetric(float64(pct(lat[i], 50))/1e3, "p50-"+name+"-µs")
-				b.ReportMetric(float64(pct(lat[i], 99))/1e3, "p99-"+name+"-µs")
+			var lat [modes][]time.Duration
+			interleave(b, set, func(m int) { lat[m] = append(lat[m], rrUnit(b, p, 100)...) })
+			for m := range modes {
+				slices.Sort(lat[m])
+				b.ReportMetric(float64(pct(lat[m], 50))/1e3, "p50-"+modeNames[m]+"-µs")
+				b.ReportMetric(float64(pct(lat[m], 99))/1e3, "p99-"+modeNames[m]+"-µs")
 			}
-			b.ReportMetric(float64(pct(lat[0], 50))/float64(pct(lat[1], 50)), "p50-off/on")
-			b.ReportMetric(float64(pct(lat[0], 99))/float64(pct(lat[1], 99)), "p99-off/on")
+			for _, m := range []int{toProxy, both} {
+				b.ReportMetric(float64(pct(lat[off], 50))/float64(pct(lat[m], 50)), "p50-off/"+modeNames[m])
+				b.ReportMetric(float64(pct(lat[off], 99))/float64(pct(lat[m], 99)), "p99-off/"+modeNames[m])
+			}
 		})
 		b.Run("bulk/"+cpu, func(b *testing.B) {
 			pin(b)
-			var dur [2]time.Duration
+			var dur [modes]time.Duration
 			const size = 4 << 20
-			interleave(b, set, func(on int) { dur[on] += bulkUnit(b, p, size) })
-			mb := float64(size*b.N) / 1e6
-			b.ReportMetric(mb/dur[0].Seconds(), "MB/s-off")
-			b.ReportMetric(mb/dur[1].Seconds(), "MB/s-on")
-			b.ReportMetric(dur[0].Seconds()/dur[1].Seconds(), "off/on")
+			interleave(b, set, func(m int) { dur[m] += bulkUnit(b, p, size) })
+			report(b, dur, float64(size*b.N)/1e6, "MB/s")
 		})
 		b.Run("connect/"+cpu, func(b *testing.B) {
 			pin(b)
-			var dur [2]time.Duration
+			var dur [modes]time.Duration
 			const conns = 20
-			interleave(b, set, func(on int) { dur[on] += connectUnit(b, p, conns) })
-			n := float64(conns * b.N)
-			b.ReportMetric(n/dur[0].Seconds(), "conn/s-off")
-			b.ReportMetric(n/dur[1].Seconds(), "conn/s-on")
-			b.ReportMetric(dur[0].Seconds()/dur[1].Seconds(), "off/on")
+			interleave(b, set, func(m int) { dur[m] += connectUnit(b, p, conns) })
+			report(b, dur, float64(conns*b.N), "conn/s")
 		})
 	}
 	s, err := a.Stats()
@@ -91,15 +91,36 @@ func BenchmarkHop(b *testing.B) {
 	}
 }
 
-// interleave runs unit(0) with acceleration off and unit(1) with it on, b.N
-// times, alternating the order.
-func interleave(b *testing.B, set func(bool), unit func(on int)) {
+// The modes compared: acceleration off, to the proxy only (Pod{}), both ways
+// (Pod{ToApp: true}).
+const (
+	off = iota
+	toProxy
+	both
+	modes
+)
+
+var modeNames = [modes]string{"off", "toproxy", "both"}
+
+// interleave runs unit once in each mode, b.N times, rotating the order.
+func interleave(b *testing.B, set func(int), unit func(mode int)) {
 	b.ResetTimer()
 	for i := range b.N {
-		for _, on := range [][2]int{{0, 1}, {1, 0}}[i%2] {
-			set(on == 1)
-			unit(on)
+		for j := range modes {
+			m := (i + j) % modes
+			set(m)
+			unit(m)
 		}
+	}
+}
+
+// report reports amount/time per mode and the time ratios off/mode.
+func report(b *testing.B, dur [modes]time.Duration, amount float64, unit string) {
+	for m := range modes {
+		b.ReportMetric(amount/dur[m].Seconds(), unit+"-"+modeNames[m])
+	}
+	for _, m := range []int{toProxy, both} {
+		b.ReportMetric(dur[off].Seconds()/dur[m].Seconds(), "off/"+modeNames[m])
 	}
 }
 

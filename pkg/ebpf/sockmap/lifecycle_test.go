@@ -69,7 +69,7 @@ func resetScenario(t *testing.T, p *pod) (got []byte, want []byte, end string) {
 func TestBehavesAsPlainTCP(t *testing.T) {
 	a, _ := load(t)
 	plain, accel := newPod(t), newPod(t)
-	if err := a.Enable(cookie(t, accel.NetNS), traffic.ProxyUID); err != nil {
+	if err := a.Enable(cookie(t, accel.NetNS), sockmap.Pod{ProxyUID: traffic.ProxyUID, ToApp: true}); err != nil {
 		t.Fatal(err)
 	}
 	t.Run("half-close", func(t *testing.T) {
@@ -133,7 +133,7 @@ func TestAgentRestart(t *testing.T) {
 	a, opts := load(t)
 	p := newPod(t)
 	ck := cookie(t, p.NetNS)
-	if err := a.Enable(ck, traffic.ProxyUID); err != nil {
+	if err := a.Enable(ck, sockmap.Pod{ProxyUID: traffic.ProxyUID, ToApp: true}); err != nil {
 		t.Fatal(err)
 	}
 	c := dial(t, p.NetNS, peer4)

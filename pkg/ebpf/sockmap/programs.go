@@ -73,7 +73,12 @@ const (
 	stCookie = -8  // u64 netns cookie (allow map key)
 	stKey    = -24 // pairKey
 	stZero   = -28 // u32 0 (stats index)
+	stFlags  = -32 // u32: the pod's flags, then the socket's initial pass flag
 )
+
+// flagToProxyOnly in a pod's allow entry: only the app's sockets redirect (into
+// the proxy's); the proxy's messages to the app go through TCP.
+const flagToProxyOnly = 1
 
 // spec returns the maps and programs; uidOff is the offset of sk_uid in the
 // kernel's struct sock (kernelLayout). Loading it is the only way the kernel
@@ -82,7 +87,7 @@ func spec(uidOff int16) *ebpf.CollectionSpec {
 	u32 := &btf.Int{Name: "u32", Size: 4}
 	return &ebpf.CollectionSpec{
 		Maps: map[string]*ebpf.MapSpec{
-			mapAllow: {Name: mapAllow, Type: ebpf.Hash, KeySize: 8, ValueSize: 4, MaxEntries: maxAllow},
+			mapAllow: {Name: mapAllow, Type: ebpf.Hash, KeySize: 8, ValueSize: 8, MaxEntries: maxAllow},
 			mapSocks: {Name: mapSocks, Type: ebpf.SockHash, KeySize: keySize, ValueSize: 8, MaxEntries: maxSocks},
 			mapPeer: {Name: mapPeer, Type: ebpf.SkStorage, KeySize: 4, ValueSize: peerSize,
 				Flags: 1, // BPF_F_NO_PREALLOC, required
@@ -175,20 +180,30 @@ func sockopsInsns(uidOff int16) asm.Instructions {
 		asm.FnMapLookupElem.Call(),
 		asm.JEq.Imm(asm.R0, 0, "out"),
 		asm.LoadMem(asm.R9, asm.R0, 0, asm.Word), // the pod's proxy UID
+		asm.LoadMem(asm.R1, asm.R0, 4, asm.Word), // the pod's flags
+		asm.StoreMem(asm.RFP, stFlags, asm.R1, asm.Word),
+		// The socket's owner: sk->sk_uid.
+		asm.LoadMem(asm.R1, asm.R6, opsSk, asm.DWord),
+		asm.JEq.Imm(asm.R1, 0, "out"),
+		asm.FnSkcToTcpSock.Call(),
+		asm.JEq.Imm(asm.R0, 0, "out"),
+		asm.LoadMem(asm.R8, asm.R0, uidOff, asm.Word),
 	}
 	ins = append(ins, localOnly(opsLocal4, opsLocal6, "hop", "l")...)
 	ins = append(ins, localOnly(opsRemote4, opsRemote6, "hop", "r")...)
 	ins = append(ins,
 		asm.LoadMem(asm.R2, asm.R6, opsOp, asm.Word),
 		asm.JNE.Imm(asm.R2, opsActive, "out"),
-		asm.LoadMem(asm.R1, asm.R6, opsSk, asm.DWord),
-		asm.JEq.Imm(asm.R1, 0, "out"),
-		asm.FnSkcToTcpSock.Call(),
-		asm.JEq.Imm(asm.R0, 0, "out"),
-		asm.LoadMem(asm.R1, asm.R0, uidOff, asm.Word), // sk->sk_uid
-		asm.JEq.Reg(asm.R1, asm.R9, "out"),
+		asm.JEq.Reg(asm.R8, asm.R9, "out"),
+		// A proxy socket of a to-proxy-only pod starts as passing: it is a
+		// redirect target, its own messages go through TCP.
+		asm.Mov.Imm(asm.R1, 0).WithSymbol("hop"),
+		asm.JNE.Reg(asm.R8, asm.R9, "app"),
+		asm.LoadMem(asm.R1, asm.RFP, stFlags, asm.Word),
+		asm.And.Imm(asm.R1, flagToProxyOnly),
+		asm.StoreMem(asm.RFP, stFlags, asm.R1, asm.Word).WithSymbol("app"),
 		// The two sequence numbers; equal ones would pair the socket with itself.
-		asm.LoadMem(asm.R8, asm.R6, opsSndNxt, asm.Word).WithSymbol("hop"),
+		asm.LoadMem(asm.R8, asm.R6, opsSndNxt, asm.Word),
 		asm.LoadMem(asm.R9, asm.R6, opsRcvNxt, asm.Word),
 		asm.JEq.Reg(asm.R8, asm.R9, "collide"),
 		// Socket storage: the peer's key, not fallen back.
@@ -202,7 +217,8 @@ func sockopsInsns(uidOff int16) asm.Instructions {
 		asm.StoreMem(asm.R0, 0, asm.R7, asm.DWord),
 		asm.StoreMem(asm.R0, 8, asm.R9, asm.Word),
 		asm.StoreMem(asm.R0, 12, asm.R8, asm.Word),
-		asm.StoreImm(asm.R0, 16, 0, asm.Word),
+		asm.LoadMem(asm.R1, asm.RFP, stFlags, asm.Word),
+		asm.StoreMem(asm.R0, 16, asm.R1, asm.Word),
 		// Record the socket under its own key.
 		asm.StoreMem(asm.RFP, stKey, asm.R7, asm.DWord),
 		asm.StoreMem(asm.RFP, stKey+8, asm.R8, asm.Word),

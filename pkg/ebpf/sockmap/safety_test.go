@@ -12,6 +12,7 @@ import (
 
 	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
 )
 
 // dialFrom connects from a fixed local address inside ns.
@@ -38,7 +39,7 @@ func TestSameFourTupleInTwoPods(t *testing.T) {
 	a, _ := load(t)
 	pods := []*pod{newPod(t), newPod(t)}
 	for _, p := range pods {
-		if err := a.Enable(cookie(t, p.NetNS), traffic.ProxyUID); err != nil {
+		if err := a.Enable(cookie(t, p.NetNS), sockmap.Pod{ProxyUID: traffic.ProxyUID, ToApp: true}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -79,7 +80,7 @@ func TestSameFourTupleInTwoPods(t *testing.T) {
 func TestOthersUntouched(t *testing.T) {
 	a, _ := load(t)
 	in, out := newPod(t), newPod(t)
-	if err := a.Enable(cookie(t, in.NetNS), traffic.ProxyUID); err != nil {
+	if err := a.Enable(cookie(t, in.NetNS), sockmap.Pod{ProxyUID: traffic.ProxyUID, ToApp: true}); err != nil {
 		t.Fatal(err)
 	}
 	const n = 1 << 20

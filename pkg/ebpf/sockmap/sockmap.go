@@ -163,11 +163,33 @@ func (a *Accel) Close() error {
 	return errors.Join(errs...)
 }
 
+// Pod is how a pod's namespace is accelerated.
+type Pod struct {
+	// ProxyUID is the pod's proxy UID (Istio: 1337): the proxy's connections to
+	// the network are left alone.
+	ProxyUID uint32
+	// ToApp also accelerates what the proxy sends to the app. Without it (the
+	// zero value) only what the app sends to the proxy is, and the proxy's bytes
+	// reach the app through TCP: an app that reads its sockets with splice(2),
+	// which sees only TCP's queue, would otherwise miss them (docs/ebpf.md). The
+	// proxy must not splice either way (Envoy reads with readv).
+	ToApp bool
+}
+
+// allowValue is the allow map's value.
+type allowValue struct {
+	ProxyUID uint32
+	Flags    uint32
+}
+
 // Enable accelerates the TCP connections that become established from now on in
-// the network namespace with this cookie (NetnsCookie). proxyUID is the pod's
-// proxy UID (Istio: 1337): its connections to the network are left alone.
-func (a *Accel) Enable(netnsCookie uint64, proxyUID uint32) error {
-	if err := a.allow.Update(netnsCookie, proxyUID, ebpf.UpdateAny); err != nil {
+// the network namespace with this cookie (NetnsCookie).
+func (a *Accel) Enable(netnsCookie uint64, pod Pod) error {
+	v := allowValue{ProxyUID: pod.ProxyUID}
+	if !pod.ToApp {
+		v.Flags |= flagToProxyOnly
+	}
+	if err := a.allow.Update(netnsCookie, v, ebpf.UpdateAny); err != nil {
 		return fmt.Errorf("enable eBPF acceleration for netns cookie %d: %w", netnsCookie, err)
 	}
 	return nil
@@ -186,7 +208,7 @@ func (a *Accel) Disable(netnsCookie uint64) error {
 
 // Enabled reports whether the namespace with this cookie is on the allow-list.
 func (a *Accel) Enabled(netnsCookie uint64) (bool, error) {
-	var v uint32
+	var v allowValue
 	err := a.allow.Lookup(netnsCookie, &v)
 	if errors.Is(err, ebpf.ErrKeyNotExist) {
 		return false, nil

@@ -3,12 +3,14 @@ package sockmap_test
 import (
 	"context"
 	"io"
+	"net"
 	"net/netip"
 	"testing"
 	"time"
 
 	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -21,7 +23,7 @@ import (
 func TestAcceleratedHops(t *testing.T) {
 	a, _ := load(t)
 	p := newPod(t)
-	if err := a.Enable(cookie(t, p.NetNS), traffic.ProxyUID); err != nil {
+	if err := a.Enable(cookie(t, p.NetNS), sockmap.Pod{ProxyUID: traffic.ProxyUID, ToApp: true}); err != nil {
 		t.Fatal(err)
 	}
 	cases := []struct {
@@ -65,7 +67,7 @@ func TestAcceleratedHops(t *testing.T) {
 func TestShortConnections(t *testing.T) {
 	a, _ := load(t)
 	p := newPod(t)
-	if err := a.Enable(cookie(t, p.NetNS), traffic.ProxyUID); err != nil {
+	if err := a.Enable(cookie(t, p.NetNS), sockmap.Pod{ProxyUID: traffic.ProxyUID, ToApp: true}); err != nil {
 		t.Fatal(err)
 	}
 	const n = 200
@@ -114,7 +116,7 @@ func TestTPROXYInbound(t *testing.T) {
 	}
 	p.proxy = traffic.StartProxy(t, p.NetNS, traffic.ProxyOptions{TPROXY: true, Args: []string{
 		"--mode=forward", "--no-splice", "--inbound-source=127.0.0.6", "--inbound-source-v6=::6", "--log-level=error"}})
-	if err := a.Enable(cookie(t, p.NetNS), traffic.ProxyUID); err != nil {
+	if err := a.Enable(cookie(t, p.NetNS), sockmap.Pod{ProxyUID: traffic.ProxyUID, ToApp: true}); err != nil {
 		t.Fatal(err)
 	}
 	for _, dst := range []netip.AddrPort{pod4, pod6} {
@@ -127,5 +129,51 @@ func TestTPROXYInbound(t *testing.T) {
 		if rec := after.Recorded - before.Recorded; rec != 2 || after.Bytes-before.Bytes < 8<<20 {
 			t.Errorf("%v: %d sockets recorded (want the hop's 2), %d bytes redirected (want ≥ 8 MiB)", dst, rec, after.Bytes-before.Bytes)
 		}
+	}
+}
+
+// TestToProxyOnlySplicingApp: an app that reads its socket with splice(2) (Go's
+// io.Copy between two *net.TCPConn) gets every byte when its pod is enabled
+// with the default Pod{} (to the proxy only): the proxy's messages to it go
+// through TCP, its own replies to the proxy are redirected. (Enabled with
+// ToApp, splice sees only TCP's queue; the test logs what that app then gets.)
+func TestToProxyOnlySplicingApp(t *testing.T) {
+	a, _ := load(t)
+	p := newPod(t)
+	ln := listenIn(t, p.NetNS, "[::]:9093")
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				tc := c.(*net.TCPConn)
+				_, _ = io.Copy(tc, tc) // TCPConn.ReadFrom(TCPConn): splice(2)
+				_ = tc.CloseWrite()
+			}()
+		}
+	}()
+	dst := withPort(pod4, 9093)
+	ck := cookie(t, p.NetNS)
+
+	if err := a.Enable(ck, sockmap.Pod{ProxyUID: traffic.ProxyUID, ToApp: true}); err != nil {
+		t.Fatal(err)
+	}
+	c := dial(t, p.PeerNetNS, dst)
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	go func() { _, _ = c.Write(make([]byte, 1<<20)); _ = c.CloseWrite() }()
+	got, err := io.ReadAll(c)
+	t.Logf("enabled with ToApp, a splicing app echoes %d of %d bytes (%v)", len(got), 1<<20, err)
+
+	if err := a.Enable(ck, sockmap.Pod{ProxyUID: traffic.ProxyUID}); err != nil {
+		t.Fatal(err)
+	}
+	before := stats(t, a)
+	roundTrip(t, dial(t, p.PeerNetNS, dst), 1<<20)
+	after := stats(t, a)
+	if b := after.Bytes - before.Bytes; b < 1<<20 || b >= 2<<20 {
+		t.Errorf("to-proxy-only: %d bytes redirected, want the app's 1 MiB echo only", b)
 	}
 }
