@@ -8,10 +8,11 @@ import (
 
 // Names of the maps and programs, also their pin names under the pin directory.
 const (
-	mapAllow  = "allow" // HASH netns cookie → 1: the namespaces that opted in
-	mapSocks  = "socks" // SOCKHASH pairKey → socket: every recorded socket
-	mapPeer   = "peer"  // SK_STORAGE per socket: the key of its peer, and whether it fell back
-	mapStats  = "stats" // PERCPU_ARRAY[1] of counters
+	mapAllow  = "allow"   // HASH netns cookie → {proxy UID, flags}: the namespaces that opted in
+	mapSocks  = "socks"   // SOCKHASH pairKey → socket: the senders, sk_msg attached
+	mapTarget = "targets" // SOCKHASH pairKey → socket: every recorded socket (redirect targets)
+	mapPeer   = "peer"    // SK_STORAGE per socket: the key of its peer, and whether it fell back
+	mapStats  = "stats"   // PERCPU_ARRAY[1] of counters
 	progOps   = "sockops"
 	progMsg   = "skmsg"
 	linkOps   = "sockops_link"
@@ -87,8 +88,9 @@ func spec(uidOff int16) *ebpf.CollectionSpec {
 	u32 := &btf.Int{Name: "u32", Size: 4}
 	return &ebpf.CollectionSpec{
 		Maps: map[string]*ebpf.MapSpec{
-			mapAllow: {Name: mapAllow, Type: ebpf.Hash, KeySize: 8, ValueSize: 8, MaxEntries: maxAllow},
-			mapSocks: {Name: mapSocks, Type: ebpf.SockHash, KeySize: keySize, ValueSize: 8, MaxEntries: maxSocks},
+			mapAllow:  {Name: mapAllow, Type: ebpf.Hash, KeySize: 8, ValueSize: 8, MaxEntries: maxAllow},
+			mapSocks:  {Name: mapSocks, Type: ebpf.SockHash, KeySize: keySize, ValueSize: 8, MaxEntries: maxSocks},
+			mapTarget: {Name: mapTarget, Type: ebpf.SockHash, KeySize: keySize, ValueSize: 8, MaxEntries: maxSocks},
 			mapPeer: {Name: mapPeer, Type: ebpf.SkStorage, KeySize: 4, ValueSize: peerSize,
 				Flags: 1, // BPF_F_NO_PREALLOC, required
 				Key:   u32,
@@ -219,10 +221,21 @@ func sockopsInsns(uidOff int16) asm.Instructions {
 		asm.StoreMem(asm.R0, 12, asm.R8, asm.Word),
 		asm.LoadMem(asm.R1, asm.RFP, stFlags, asm.Word),
 		asm.StoreMem(asm.R0, 16, asm.R1, asm.Word),
-		// Record the socket under its own key.
+		// Record the socket under its own key: as a redirect target, and as a
+		// sender unless it starts as passing (then its sendmsg stays the
+		// kernel's own: a socket in a sockhash without sk_msg keeps TCP's).
 		asm.StoreMem(asm.RFP, stKey, asm.R7, asm.DWord),
 		asm.StoreMem(asm.RFP, stKey+8, asm.R8, asm.Word),
 		asm.StoreMem(asm.RFP, stKey+12, asm.R9, asm.Word),
+		asm.Mov.Reg(asm.R1, asm.R6),
+		asm.LoadMapPtr(asm.R2, 0).WithReference(mapTarget),
+		asm.Mov.Reg(asm.R3, asm.RFP),
+		asm.Add.Imm(asm.R3, stKey),
+		asm.Mov.Imm(asm.R4, fNoExist),
+		asm.FnSockHashUpdate.Call(),
+		asm.JNE.Imm(asm.R0, 0, "collide"),
+		asm.LoadMem(asm.R1, asm.RFP, stFlags, asm.Word),
+		asm.JNE.Imm(asm.R1, 0, "recorded"),
 		asm.Mov.Reg(asm.R1, asm.R6),
 		asm.LoadMapPtr(asm.R2, 0).WithReference(mapSocks),
 		asm.Mov.Reg(asm.R3, asm.RFP),
@@ -230,6 +243,7 @@ func sockopsInsns(uidOff int16) asm.Instructions {
 		asm.Mov.Imm(asm.R4, fNoExist),
 		asm.FnSockHashUpdate.Call(),
 		asm.JNE.Imm(asm.R0, 0, "collide"),
+		asm.Mov.Imm(asm.R0, 0).WithSymbol("recorded"),
 	)
 	ins = append(ins, count(ctrSockets, asm.RFP, 1, "counted")...)
 	ins = append(ins, asm.Ja.Label("out"))
@@ -261,7 +275,7 @@ func skmsgInsns() asm.Instructions {
 		asm.JNE.Imm(asm.R1, 0, "pass"),
 		asm.LoadMem(asm.R8, asm.R6, msgSize, asm.Word),
 		asm.Mov.Reg(asm.R1, asm.R6),
-		asm.LoadMapPtr(asm.R2, 0).WithReference(mapSocks),
+		asm.LoadMapPtr(asm.R2, 0).WithReference(mapTarget),
 		asm.Mov.Reg(asm.R3, asm.R7),
 		asm.Mov.Imm(asm.R4, fIngress),
 		asm.FnMsgRedirectHash.Call(),

@@ -52,9 +52,9 @@ func (o Options) pinDir() string {
 
 // Accel is the loaded acceleration: the maps the agent updates and reads.
 type Accel struct {
-	allow, socks, stats *ebpf.Map
-	opts                Options
-	closers             []interface{ Close() error }
+	allow, targets, stats *ebpf.Map
+	opts                  Options
+	closers               []interface{ Close() error }
 }
 
 // Load makes the programs run on this node: it re-opens the pinned ones when an
@@ -131,7 +131,7 @@ func create(opts Options) (*Accel, error) {
 // open re-opens pinned maps; os.ErrNotExist when nothing (or only part) is pinned.
 func open(opts Options) (*Accel, error) {
 	dir := opts.pinDir()
-	for _, n := range []string{mapAllow, mapSocks, mapPeer, mapStats, progOps, progMsg, linkOps} {
+	for _, n := range []string{mapAllow, mapSocks, mapTarget, mapPeer, mapStats, progOps, progMsg, linkOps} {
 		if _, err := os.Stat(filepath.Join(dir, n)); err != nil {
 			return nil, fmt.Errorf("%s: %w", n, os.ErrNotExist)
 		}
@@ -140,7 +140,7 @@ func open(opts Options) (*Accel, error) {
 	for _, m := range []struct {
 		name string
 		dst  **ebpf.Map
-	}{{mapAllow, &a.allow}, {mapSocks, &a.socks}, {mapStats, &a.stats}} {
+	}{{mapAllow, &a.allow}, {mapTarget, &a.targets}, {mapStats, &a.stats}} {
 		mp, err := ebpf.LoadPinnedMap(filepath.Join(dir, m.name), nil)
 		if err != nil {
 			a.Close()
@@ -243,7 +243,7 @@ func (a *Accel) Stats() (Stats, error) {
 	}
 	s := Stats{Recorded: c[ctrSockets], Collisions: c[ctrCollisions], Messages: c[ctrMsgs], Bytes: c[ctrBytes], Misses: c[ctrMisses]}
 	var k [keySize]byte
-	it := a.socks.Iterate()
+	it := a.targets.Iterate()
 	var v uint64
 	for it.Next(&k, &v) {
 		s.Sockets++
@@ -275,7 +275,7 @@ func Unload(opts Options) error {
 		}
 		m.Close()
 	}
-	for _, n := range []string{mapAllow, mapSocks, mapPeer, mapStats, progOps, progMsg, linkOps} {
+	for _, n := range []string{mapAllow, mapSocks, mapTarget, mapPeer, mapStats, progOps, progMsg, linkOps} {
 		if err := os.Remove(filepath.Join(dir, n)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, fmt.Errorf("remove pin %s: %w", n, err))
 		}
