@@ -8,12 +8,14 @@ import (
 	"io"
 	"net"
 	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
 
 	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/testutil"
@@ -259,5 +261,53 @@ func TestUnload(t *testing.T) {
 	a.Close()
 	if err := sockmap.Unload(opts); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestLoadReplacesStalePins: pins whose programs are not this build's (an
+// upgrade) are replaced by Load, and the replacement accelerates.
+func TestLoadReplacesStalePins(t *testing.T) {
+	a, opts := load(t)
+	a.Close()
+	old, err := ebpf.NewProgram(&ebpf.ProgramSpec{Type: ebpf.SkMsg, License: "MIT", Instructions: asm.Instructions{
+		asm.Mov.Imm(asm.R0, 1), asm.Return(),
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Close()
+	pin := filepath.Join(opts.PinDir, "skmsg")
+	if err := os.Remove(pin); err != nil {
+		t.Fatal(err)
+	}
+	if err := old.Pin(pin); err != nil {
+		t.Fatal(err)
+	}
+	a, err = sockmap.Load(opts)
+	if err != nil {
+		t.Fatalf("Load over stale pins: %v", err)
+	}
+	defer a.Close()
+	p, err := ebpf.LoadPinnedProgram(pin, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	info, err := p.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldInfo, _ := old.Info()
+	if info.Tag == oldInfo.Tag {
+		t.Fatalf("the stale program is still pinned")
+	}
+	pd := newPod(t)
+	if err := a.Enable(cookie(t, pd.NetNS), sockmap.Pod{ProxyUID: traffic.ProxyUID}); err != nil {
+		t.Fatal(err)
+	}
+	before := stats(t, a)
+	roundTrip(t, dial(t, pd.NetNS, peer4), 1<<20)
+	if after := stats(t, a); after.Bytes-before.Bytes < 1<<20 {
+		t.Errorf("after replacing stale pins: %d bytes redirected, want ≥ 1 MiB", after.Bytes-before.Bytes)
 	}
 }

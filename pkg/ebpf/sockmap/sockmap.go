@@ -57,23 +57,32 @@ type Accel struct {
 	closers               []interface{ Close() error }
 }
 
+// errStale: the pinned programs are not the ones this build loads (an upgrade).
+var errStale = errors.New("pinned programs differ from this build's")
+
 // Load makes the programs run on this node: it re-opens the pinned ones when an
-// earlier Load left them (an agent restart), else detects, loads, pins and
-// attaches them — sk_msg to the sockhash first, then sockops to the cgroup2
-// root. On failure nothing it created stays behind.
+// earlier Load of the same programs left them (an agent restart), else detects,
+// removes what is pinned (a partial or older set), loads, pins and attaches —
+// sk_msg to the sockhash first, then sockops to the cgroup2 root. On failure
+// nothing it created stays behind.
 func Load(opts Options) (*Accel, error) {
 	if err := forced(opts); err != nil {
 		return nil, err
 	}
-	if a, err := open(opts); err == nil {
+	a, err := open(opts)
+	if err == nil {
 		return a, nil
-	} else if !errors.Is(err, os.ErrNotExist) {
+	}
+	if !errors.Is(err, os.ErrNotExist) && !errors.Is(err, errStale) {
 		return nil, fmt.Errorf("re-open pinned eBPF acceleration in %s (Unload removes it): %w", opts.pinDir(), err)
 	}
 	if _, err := Detect(opts); err != nil {
 		return nil, err
 	}
-	a, err := create(opts)
+	if err := Unload(opts); err != nil {
+		return nil, err
+	}
+	a, err = create(opts)
 	if err != nil {
 		_ = Unload(opts)
 		return nil, err
@@ -128,13 +137,17 @@ func create(opts Options) (*Accel, error) {
 	return open(opts)
 }
 
-// open re-opens pinned maps; os.ErrNotExist when nothing (or only part) is pinned.
+// open re-opens pinned maps; os.ErrNotExist when nothing (or only part) is
+// pinned, errStale when the pinned programs are not this build's.
 func open(opts Options) (*Accel, error) {
 	dir := opts.pinDir()
 	for _, n := range []string{mapAllow, mapSocks, mapTarget, mapPeer, mapStats, progOps, progMsg, linkOps} {
 		if _, err := os.Stat(filepath.Join(dir, n)); err != nil {
 			return nil, fmt.Errorf("%s: %w", n, os.ErrNotExist)
 		}
+	}
+	if err := samePrograms(dir); err != nil {
+		return nil, err
 	}
 	a := &Accel{opts: opts}
 	for _, m := range []struct {
@@ -150,6 +163,39 @@ func open(opts Options) (*Accel, error) {
 		a.closers = append(a.closers, mp)
 	}
 	return a, nil
+}
+
+// samePrograms compares the pinned programs' tags (the kernel's hash of their
+// instructions) with those of this build's programs, loaded for the purpose.
+func samePrograms(dir string) error {
+	cs, err := loadSpec()
+	if err != nil {
+		return err
+	}
+	coll, err := ebpf.NewCollection(cs)
+	if err != nil {
+		return fmt.Errorf("load eBPF programs: %w", err)
+	}
+	defer coll.Close()
+	for _, n := range []string{progOps, progMsg} {
+		want, err := coll.Programs[n].Info()
+		if err != nil {
+			return fmt.Errorf("program %s: %w", n, err)
+		}
+		p, err := ebpf.LoadPinnedProgram(filepath.Join(dir, n), nil)
+		if err != nil {
+			return fmt.Errorf("open pinned program %s: %w", n, err)
+		}
+		got, err := p.Info()
+		p.Close()
+		if err != nil {
+			return fmt.Errorf("pinned program %s: %w", n, err)
+		}
+		if got.Tag != want.Tag {
+			return fmt.Errorf("%s: tag %s, this build's %s: %w", n, got.Tag, want.Tag, errStale)
+		}
+	}
+	return nil
 }
 
 // Close releases this process's handles; the programs keep running from their
