@@ -165,13 +165,34 @@ func localOnly(off4, off6 int16, yes, id string) asm.Instructions {
 // (BPF_NOEXIST: a taken key is never overwritten). The proxy's own connections
 // to the network and connections from the network are left alone.
 func sockopsInsns(uidOff int16) asm.Instructions {
-	ins := asm.Instructions{
+	var ins asm.Instructions
+	for _, part := range []asm.Instructions{
+		opsAllowed(),
+		opsOwner(uidOff),
+		localOnly(opsLocal4, opsLocal6, "hop", "l"),
+		localOnly(opsRemote4, opsRemote6, "hop", "r"),
+		opsHopEnd(),
+		opsStorePeer(),
+		opsRecord(),
+		count(ctrSockets, asm.RFP, 1, "counted"),
+		{asm.Ja.Label("out"), asm.Mov.Imm(asm.R0, 0).WithSymbol("collide")},
+		count(ctrCollisions, asm.RFP, 1, "counted2"),
+		{asm.Mov.Imm(asm.R0, 1).WithSymbol("out"), asm.Return()},
+	} {
+		ins = append(ins, part...)
+	}
+	return ins
+}
+
+// opsAllowed: an ESTABLISHED callback in an allowed netns goes on with r6 =
+// ctx, r7 = netns cookie, r9 = the pod's proxy UID, stFlags = the pod's flags.
+func opsAllowed() asm.Instructions {
+	return asm.Instructions{
 		asm.Mov.Reg(asm.R6, asm.R1).WithSymbol(progOps),
 		asm.LoadMem(asm.R2, asm.R6, opsOp, asm.Word),
 		asm.JEq.Imm(asm.R2, opsActive, "est"),
 		asm.JEq.Imm(asm.R2, opsPassive, "est"),
 		asm.Ja.Label("out"),
-		// Is this netns allowed?
 		asm.Mov.Reg(asm.R1, asm.R6).WithSymbol("est"),
 		asm.FnGetNetnsCookie.Call(),
 		asm.Mov.Reg(asm.R7, asm.R0),
@@ -181,34 +202,48 @@ func sockopsInsns(uidOff int16) asm.Instructions {
 		asm.Add.Imm(asm.R2, stCookie),
 		asm.FnMapLookupElem.Call(),
 		asm.JEq.Imm(asm.R0, 0, "out"),
-		asm.LoadMem(asm.R9, asm.R0, 0, asm.Word), // the pod's proxy UID
-		asm.LoadMem(asm.R1, asm.R0, 4, asm.Word), // the pod's flags
+		asm.LoadMem(asm.R9, asm.R0, 0, asm.Word),
+		asm.LoadMem(asm.R1, asm.R0, 4, asm.Word),
 		asm.StoreMem(asm.RFP, stFlags, asm.R1, asm.Word),
-		// The socket's owner: sk->sk_uid.
+	}
+}
+
+// opsOwner: r8 = the socket's owner, sk->sk_uid.
+func opsOwner(uidOff int16) asm.Instructions {
+	return asm.Instructions{
 		asm.LoadMem(asm.R1, asm.R6, opsSk, asm.DWord),
 		asm.JEq.Imm(asm.R1, 0, "out"),
 		asm.FnSkcToTcpSock.Call(),
 		asm.JEq.Imm(asm.R0, 0, "out"),
 		asm.LoadMem(asm.R8, asm.R0, uidOff, asm.Word),
 	}
-	ins = append(ins, localOnly(opsLocal4, opsLocal6, "hop", "l")...)
-	ins = append(ins, localOnly(opsRemote4, opsRemote6, "hop", "r")...)
-	ins = append(ins,
+}
+
+// opsHopEnd: without a pod-local address (localOnly fell through), only an
+// active socket not owned by the proxy is a hop's end. At "hop": a proxy
+// socket of a to-proxy-only pod starts as passing (stFlags = 1): it is a
+// redirect target, its own messages go through TCP; any other starts at 0.
+func opsHopEnd() asm.Instructions {
+	return asm.Instructions{
 		asm.LoadMem(asm.R2, asm.R6, opsOp, asm.Word),
 		asm.JNE.Imm(asm.R2, opsActive, "out"),
 		asm.JEq.Reg(asm.R8, asm.R9, "out"),
-		// A proxy socket of a to-proxy-only pod starts as passing: it is a
-		// redirect target, its own messages go through TCP.
 		asm.Mov.Imm(asm.R1, 0).WithSymbol("hop"),
 		asm.JNE.Reg(asm.R8, asm.R9, "app"),
 		asm.LoadMem(asm.R1, asm.RFP, stFlags, asm.Word),
 		asm.And.Imm(asm.R1, flagToProxyOnly),
 		asm.StoreMem(asm.RFP, stFlags, asm.R1, asm.Word).WithSymbol("app"),
-		// The two sequence numbers; equal ones would pair the socket with itself.
+	}
+}
+
+// opsStorePeer: r8 = snd_nxt, r9 = rcv_nxt (equal ones would pair the socket
+// with itself: collide); the socket's storage gets its peer's key and its
+// initial pass flag.
+func opsStorePeer() asm.Instructions {
+	return asm.Instructions{
 		asm.LoadMem(asm.R8, asm.R6, opsSndNxt, asm.Word),
 		asm.LoadMem(asm.R9, asm.R6, opsRcvNxt, asm.Word),
 		asm.JEq.Reg(asm.R8, asm.R9, "collide"),
-		// Socket storage: the peer's key, not fallen back.
 		asm.LoadMem(asm.R2, asm.R6, opsSk, asm.DWord),
 		asm.JEq.Imm(asm.R2, 0, "out"),
 		asm.LoadMapPtr(asm.R1, 0).WithReference(mapPeer),
@@ -221,38 +256,33 @@ func sockopsInsns(uidOff int16) asm.Instructions {
 		asm.StoreMem(asm.R0, 12, asm.R8, asm.Word),
 		asm.LoadMem(asm.R1, asm.RFP, stFlags, asm.Word),
 		asm.StoreMem(asm.R0, 16, asm.R1, asm.Word),
-		// Record the socket under its own key: as a redirect target, and as a
-		// sender unless it starts as passing (then its sendmsg stays the
-		// kernel's own: a socket in a sockhash without sk_msg keeps TCP's).
+	}
+}
+
+// opsRecord records the socket under its own key: as a redirect target, and
+// as a sender unless it starts as passing (then its sendmsg stays the kernel's
+// own: a socket only in a sockhash without sk_msg keeps TCP's).
+func opsRecord() asm.Instructions {
+	update := func(m string) asm.Instructions {
+		return asm.Instructions{
+			asm.Mov.Reg(asm.R1, asm.R6),
+			asm.LoadMapPtr(asm.R2, 0).WithReference(m),
+			asm.Mov.Reg(asm.R3, asm.RFP),
+			asm.Add.Imm(asm.R3, stKey),
+			asm.Mov.Imm(asm.R4, fNoExist),
+			asm.FnSockHashUpdate.Call(),
+			asm.JNE.Imm(asm.R0, 0, "collide"),
+		}
+	}
+	ins := asm.Instructions{
 		asm.StoreMem(asm.RFP, stKey, asm.R7, asm.DWord),
 		asm.StoreMem(asm.RFP, stKey+8, asm.R8, asm.Word),
 		asm.StoreMem(asm.RFP, stKey+12, asm.R9, asm.Word),
-		asm.Mov.Reg(asm.R1, asm.R6),
-		asm.LoadMapPtr(asm.R2, 0).WithReference(mapTarget),
-		asm.Mov.Reg(asm.R3, asm.RFP),
-		asm.Add.Imm(asm.R3, stKey),
-		asm.Mov.Imm(asm.R4, fNoExist),
-		asm.FnSockHashUpdate.Call(),
-		asm.JNE.Imm(asm.R0, 0, "collide"),
-		asm.LoadMem(asm.R1, asm.RFP, stFlags, asm.Word),
-		asm.JNE.Imm(asm.R1, 0, "recorded"),
-		asm.Mov.Reg(asm.R1, asm.R6),
-		asm.LoadMapPtr(asm.R2, 0).WithReference(mapSocks),
-		asm.Mov.Reg(asm.R3, asm.RFP),
-		asm.Add.Imm(asm.R3, stKey),
-		asm.Mov.Imm(asm.R4, fNoExist),
-		asm.FnSockHashUpdate.Call(),
-		asm.JNE.Imm(asm.R0, 0, "collide"),
-		asm.Mov.Imm(asm.R0, 0).WithSymbol("recorded"),
-	)
-	ins = append(ins, count(ctrSockets, asm.RFP, 1, "counted")...)
-	ins = append(ins, asm.Ja.Label("out"))
-	ins = append(ins, asm.Mov.Imm(asm.R0, 0).WithSymbol("collide"))
-	ins = append(ins, count(ctrCollisions, asm.RFP, 1, "counted2")...)
-	return append(ins,
-		asm.Mov.Imm(asm.R0, 1).WithSymbol("out"),
-		asm.Return(),
-	)
+	}
+	ins = append(ins, update(mapTarget)...)
+	ins = append(ins, asm.LoadMem(asm.R1, asm.RFP, stFlags, asm.Word), asm.JNE.Imm(asm.R1, 0, "recorded"))
+	ins = append(ins, update(mapSocks)...)
+	return append(ins, asm.Mov.Imm(asm.R0, 0).WithSymbol("recorded"))
 }
 
 // skmsgInsns: a message sent on a recorded socket goes straight into its peer's
