@@ -78,3 +78,13 @@ func TestForced(t *testing.T) {
 		t.Errorf("got %v", err)
 	}
 }
+
+// TestCgroup2Setting: a Cgroup2 setting that is not a cgroup2 directory is
+// refused by name.
+func TestCgroup2Setting(t *testing.T) {
+	dir := t.TempDir()
+	_, err := cgroup2Dir(Options{Cgroup2: dir})
+	if err == nil || err.Error() != dir+" is not a cgroup2 directory" {
+		t.Errorf("got %v", err)
+	}
+}
