@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -18,16 +19,18 @@ import (
 	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
 )
 
-// BenchmarkHop measures a meshed pod's traffic app → proxy (REDIRECT to 15001)
-// → peer, with acceleration off and on interleaved: every iteration runs one
-// unit in each mode (rotating which goes first), so all see the same machine. Sub-benchmarks: pinned (the test binary
-// and the proxy on CPU 0) and unpinned; rr = 64 B request/response latency
-// (100 round trips on one connection per unit), bulk = one 4 MiB upload per
-// unit, connect = 20 connections set up, 1 B echoed and closed per unit.
-// Metrics: the figures per mode (off, toproxy = Pod{}, both = Pod{ToApp:
-// true}) and the ratios off/mode (>1: acceleration helps).
+// BenchmarkHop measures a meshed pod's traffic through its proxy with
+// acceleration off and on interleaved: every iteration runs one unit in each
+// mode (rotating which goes first), so all see the same machine.
+// Sub-benchmarks, each pinned (the test binary and the proxy on CPU 0) and
+// unpinned: rr = 64 B request/response latency app → proxy (REDIRECT to 15001)
+// → peer, 100 round trips on one connection per unit; rr-in the same peer →
+// proxy (15006) → app; bulk = one 4 MiB upload app → proxy → peer per unit;
+// connect = 20 connections set up, 1 B echoed and closed per unit. Metrics: the
+// figures per mode (off, toproxy = Pod{}, both = Pod{ToApp: true}) and the
+// ratios off/mode (>1: acceleration helps).
 //
-//	go test -run '^$' -bench Hop -benchtime 200x ./pkg/ebpf/sockmap/
+//	go test -run '^$' -bench Hop -benchtime 150x -count 3 ./pkg/ebpf/sockmap/
 func BenchmarkHop(b *testing.B) {
 	a, _ := load(b)
 	p := newPod(b)
@@ -56,20 +59,19 @@ func BenchmarkHop(b *testing.B) {
 			}
 			b.Cleanup(func() { _ = setAffinity(pids, false) })
 		}
-		b.Run("rr/"+cpu, func(b *testing.B) {
-			pin(b)
-			var lat [modes][]time.Duration
-			interleave(b, set, func(m int) { lat[m] = append(lat[m], rrUnit(b, p, 100)...) })
-			for m := range modes {
-				slices.Sort(lat[m])
-				b.ReportMetric(float64(pct(lat[m], 50))/1e3, "p50-"+modeNames[m]+"-µs")
-				b.ReportMetric(float64(pct(lat[m], 99))/1e3, "p99-"+modeNames[m]+"-µs")
-			}
-			for _, m := range []int{toProxy, both} {
-				b.ReportMetric(float64(pct(lat[off], 50))/float64(pct(lat[m], 50)), "p50-off/"+modeNames[m])
-				b.ReportMetric(float64(pct(lat[off], 99))/float64(pct(lat[m], 99)), "p99-off/"+modeNames[m])
-			}
-		})
+		for _, dir := range []struct {
+			name, from string
+			dst        netip.AddrPort
+		}{
+			{"rr", p.NetNS, peer4}, {"rr-in", p.PeerNetNS, pod4},
+		} {
+			b.Run(dir.name+"/"+cpu, func(b *testing.B) {
+				pin(b)
+				var lat [modes][]time.Duration
+				interleave(b, set, func(m int) { lat[m] = append(lat[m], rrUnit(b, dir.from, dir.dst, 100)...) })
+				reportLatency(b, lat)
+			})
+		}
 		b.Run("bulk/"+cpu, func(b *testing.B) {
 			pin(b)
 			var dur [modes]time.Duration
@@ -124,8 +126,21 @@ func report(b *testing.B, dur [modes]time.Duration, amount float64, unit string)
 	}
 }
 
-func rrUnit(b *testing.B, p *pod, n int) []time.Duration {
-	c := dial(b, p.NetNS, peer4)
+// reportLatency reports p50 and p99 per mode and the ratios off/mode.
+func reportLatency(b *testing.B, lat [modes][]time.Duration) {
+	for m := range modes {
+		slices.Sort(lat[m])
+		b.ReportMetric(float64(pct(lat[m], 50))/1e3, "p50-"+modeNames[m]+"-µs")
+		b.ReportMetric(float64(pct(lat[m], 99))/1e3, "p99-"+modeNames[m]+"-µs")
+	}
+	for _, m := range []int{toProxy, both} {
+		b.ReportMetric(float64(pct(lat[off], 50))/float64(pct(lat[m], 50)), "p50-off/"+modeNames[m])
+		b.ReportMetric(float64(pct(lat[off], 99))/float64(pct(lat[m], 99)), "p99-off/"+modeNames[m])
+	}
+}
+
+func rrUnit(b *testing.B, from string, dst netip.AddrPort, n int) []time.Duration {
+	c := dial(b, from, dst)
 	defer c.Close()
 	_ = c.SetNoDelay(true)
 	msg, got := make([]byte, 64), make([]byte, 64)
