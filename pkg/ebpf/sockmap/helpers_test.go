@@ -33,6 +33,7 @@ func load(t testing.TB) (*sockmap.Accel, sockmap.Options) {
 	t.Helper()
 	testutil.RequireRoot(t)
 	opts := testOptions()
+	t.Cleanup(func() { _ = os.Remove(filepath.Dir(opts.PinDir)) }) // runs last
 	a, err := sockmap.Load(opts)
 	if err != nil {
 		if errors.Is(err, sockmap.ErrUnavailable) {
@@ -45,7 +46,6 @@ func load(t testing.TB) (*sockmap.Accel, sockmap.Options) {
 		if err := sockmap.Unload(opts); err != nil {
 			t.Errorf("unload: %v", err)
 		}
-		_ = os.Remove(filepath.Dir(opts.PinDir))
 	})
 	return a, opts
 }
