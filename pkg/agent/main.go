@@ -10,7 +10,8 @@ import (
 	"syscall"
 
 	"github.com/spf13/pflag"
-	"k8s.io/klog/v2"
+
+	"github.com/meshcni/meshcni/pkg/logformat"
 )
 
 // Main is meshcni-agent's main: it parses args and the environment, runs the agent
@@ -24,7 +25,7 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "meshcni-agent: %v\n", err)
 		return 2
 	}
-	log := newLogger(stderr, cfg.LogLevel)
+	log := newLogger(stderr, cfg.LogLevel, cfg.LogFormat)
 	opts := Options{Getenv: getenv}
 	if k, err := NewKube(cfg); err == nil {
 		defer k.Stop()
@@ -55,10 +56,9 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 	return 0
 }
 
-// newLogger is the agent's JSON log on w. client-go's own logs (klog: informers,
-// Events, leader election) go through it too, so the agent's log has one format.
-func newLogger(w io.Writer, level slog.Level) *slog.Logger {
-	log := slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: level}))
-	klog.SetSlogLogger(log)
-	return log
+// newLogger is the agent's log on w, JSON or text (--log-format). client-go's own logs
+// (klog: informers, Events, leader election) go through it too, so the agent's log has
+// one format.
+func newLogger(w io.Writer, level slog.Level, format string) *slog.Logger {
+	return logformat.New(w, level, format)
 }

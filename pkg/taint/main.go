@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"os/signal"
 	"syscall"
 
@@ -13,7 +12,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
-	"k8s.io/klog/v2"
+
+	"github.com/meshcni/meshcni/pkg/logformat"
 )
 
 // Main is meshcni-taint-controller's main: it parses args and the environment, runs the
@@ -28,8 +28,7 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "%s: %v\n", Component, err)
 		return 2
 	}
-	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: cfg.LogLevel}))
-	klog.SetSlogLogger(log) // client-go's own logs (leader election) as JSON too
+	log := logformat.New(stderr, cfg.LogLevel, cfg.LogFormat) // client-go's own logs (leader election) too
 	rc, err := restConfig(cfg.Kubeconfig)
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", Component, err)
