@@ -16,7 +16,14 @@ import (
 
 // Main is meshcni-agent's main: it parses args and the environment, runs the agent
 // until SIGTERM or SIGINT, and returns the exit code (2: bad settings, 1: failure).
+// It is MainVersion of a build without a version ("dev").
 func Main(args []string, getenv func(string) string, stderr io.Writer) int {
+	return MainVersion("", args, getenv, stderr)
+}
+
+// MainVersion is Main for the binary's version (its main.version), served on
+// /version and in meshcni_build_info.
+func MainVersion(version string, args []string, getenv func(string) string, stderr io.Writer) int {
 	cfg, err := ParseFlags(args, getenv, stderr)
 	if errors.Is(err, pflag.ErrHelp) {
 		return 0
@@ -26,7 +33,7 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 		return 2
 	}
 	log := newLogger(stderr, cfg.LogLevel, cfg.LogFormat)
-	opts := Options{Getenv: getenv}
+	opts := Options{Getenv: getenv, Version: version}
 	if k, err := NewKube(cfg); err == nil {
 		defer k.Stop()
 		opts.Kube = k
