@@ -472,7 +472,7 @@ func (g *Guard) noteInvalid(skipped []confdir.Skipped, primary string, pinned bo
 // invalidMessage says what an invalid file means for the node's next pods and what
 // the agent does about it.
 func invalidMessage(s confdir.Skipped, primary string, pinned bool) string {
-	msg := fmt.Sprintf("CNI configuration %s cannot be loaded (%v): meshcni does not write it and removes nothing until it is valid again", s.Path, s.Err)
+	msg := fmt.Sprintf("CNI configuration %s is invalid, left alone (%v): meshcni does not write it and removes nothing until it is valid again", s.Path, s.Err)
 	switch {
 	case pinned:
 		return msg + "; it is the primary named by --cni-conf-file-name, so meshcni's entry stays where it is"

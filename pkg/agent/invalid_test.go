@@ -93,7 +93,7 @@ func TestInvalidPrimaryLeftAlone(t *testing.T) {
 			if tc.other && !strings.Contains(ev[0], other) {
 				t.Errorf("event %q does not say the entry is in %s", ev[0], other)
 			}
-			if n := strings.Count(r.log.String(), "cannot be loaded"); n != 1 {
+			if n := strings.Count(r.log.String(), "is invalid, left alone"); n != 1 {
 				t.Errorf("%d log lines about the invalid file, want 1 per episode:\n%s", n, r.log.String())
 			}
 			if v := promtestutil.ToFloat64(r.a.Metrics.ConfigInvalidEpisodes.WithLabelValues("10-calico.conflist")); v != 1 {
