@@ -337,7 +337,11 @@ func (g *Guard) outcome(p part, changed bool, err error, msg string, args ...any
 
 func (g *Guard) reconcileConf() {
 	res, err := confdir.Install(g.Conf)
-	g.noteInvalid(res.Skipped, res.Path, errors.Is(err, confdir.ErrInvalid))
+	// Skipped is complete once the directory was read: on success, with no primary,
+	// or with the named primary invalid (another error says nothing of the files).
+	if pinned := errors.Is(err, confdir.ErrInvalid); err == nil || pinned || errors.Is(err, confdir.ErrNoPrimary) {
+		g.noteInvalid(res.Skipped, res.Path, pinned)
+	}
 	if errors.Is(err, confdir.ErrInvalid) || errors.Is(err, confdir.ErrNoPrimary) && len(res.Skipped) > 0 {
 		return // reported by noteInvalid; nothing written
 	}
