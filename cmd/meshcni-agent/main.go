@@ -9,6 +9,9 @@ import (
 	"github.com/meshcni/meshcni/pkg/agent"
 )
 
+// version is set at build time with -ldflags "-X main.version=...".
+var version = "dev"
+
 func main() {
-	os.Exit(agent.Main(os.Args[1:], os.Getenv, os.Stderr))
+	os.Exit(agent.MainVersion(version, os.Args[1:], os.Getenv, os.Stderr))
 }

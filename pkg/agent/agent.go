@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
+	"github.com/meshcni/meshcni/pkg/buildinfo"
 	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
 	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/nodepods"
@@ -59,6 +60,8 @@ type Options struct {
 	Kube *Kube
 	// Getenv reads the environment (default os.Getenv): the in-cluster API address.
 	Getenv func(string) string
+	// Version is the agent binary's version (GET /version, meshcni_build_info).
+	Version string
 }
 
 // New builds the agent from a validated configuration.
@@ -67,6 +70,8 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 		opts.Getenv = os.Getenv
 	}
 	m := NewMetrics()
+	build := buildinfo.New(opts.Version)
+	m.Registry.MustRegister(build.Collector())
 	a := &Agent{Config: cfg, Log: log, Metrics: m, kube: opts.Kube}
 	src, err := a.pluginCredential(opts)
 	if err != nil {
@@ -91,7 +96,7 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 		Metrics:           m,
 		Recorder:          opts.Recorder,
 	}
-	a.Health = &HealthServer{Addr: cfg.HealthAddr, Ready: a.Guard.Ready, Metrics: m, Log: log}
+	a.Health = &HealthServer{Addr: cfg.HealthAddr, Ready: a.Guard.Ready, Metrics: m, Log: log, Build: build}
 	a.Socket = &SocketServer{Path: agentsock.Path(cfg.RunDir), Log: log, Metrics: m}
 	a.runnables = []Runnable{a.Socket, a.Health, a.Guard}
 	if a.PluginToken != nil {

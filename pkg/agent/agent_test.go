@@ -28,6 +28,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	promtestutil "github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
 	"github.com/meshcni/meshcni/pkg/fileutil"
 	"github.com/meshcni/meshcni/pkg/podget"
 )
@@ -262,6 +263,24 @@ func sameDir(got, want map[string]string) error {
 type caseOptions struct {
 	Chained  *bool  `json:"chained"`
 	FileName string `json:"file_name"`
+	// UninstallLeaves: lists that do not parse, which uninstall leaves alone; the
+	// plugin's binary and kubeconfig stay for the entry they may hold.
+	UninstallLeaves []string `json:"uninstall_leaves"`
+}
+
+func caseLeaves(t *testing.T, dir string) []string {
+	data, err := os.ReadFile(filepath.Join(dir, "options.json"))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	var co caseOptions
+	if err == nil {
+		err = json.Unmarshal(data, &co)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return co.UninstallLeaves
 }
 
 func caseArgs(t *testing.T, dir string) []string {
@@ -329,15 +348,27 @@ func TestAgentGoldenShapes(t *testing.T) {
 				return sameDir(e.normalized(t), want)
 			})
 
-			if err := r.stop(); err != nil {
+			leaves := caseLeaves(t, tc)
+			err := r.stop()
+			switch {
+			case len(leaves) == 0 && err != nil:
 				t.Fatalf("agent stopped with %v", err)
+			case len(leaves) > 0 && !errors.Is(err, confdir.ErrInvalid):
+				t.Fatalf("agent stopped with %v, want an ErrInvalid naming %v", err, leaves)
+			}
+			for _, name := range leaves {
+				if !strings.Contains(err.Error(), name) {
+					t.Errorf("stop error %q does not name %s", err, name)
+				}
 			}
 			if err := sameDir(e.normalized(t), readDir(t, filepath.Join(tc, "uninstalled"))); err != nil {
 				t.Errorf("after uninstall: %v", err)
 			}
 			for _, p := range []string{filepath.Join(e.binDir, "meshcni"), filepath.Join(e.binDir, podget.HelperName), filepath.Join(e.runDir, KubeconfigName)} {
-				if _, err := os.Stat(p); !errors.Is(err, fs.ErrNotExist) {
+				if _, err := os.Stat(p); len(leaves) == 0 && !errors.Is(err, fs.ErrNotExist) {
 					t.Errorf("%s left after uninstall (%v)", p, err)
+				} else if len(leaves) > 0 && err != nil {
+					t.Errorf("%s removed although %v may hold meshcni's entry (%v)", p, leaves, err)
 				}
 			}
 		})

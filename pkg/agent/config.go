@@ -16,6 +16,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/install"
+	"github.com/meshcni/meshcni/pkg/logformat"
 	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/repair"
 	"github.com/meshcni/meshcni/pkg/spec"
@@ -43,6 +44,7 @@ type Config struct {
 	ExcludeNamespaces     []string
 	IPv6                  spec.IPv6Mode // the plugin's ipv6 key; also the repair controller's
 	LogLevel              slog.Level
+	LogFormat             string // logformat.JSON or logformat.Text
 	PluginLogLevel        string
 	Backend               string
 	HealthAddr            string
@@ -155,6 +157,7 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 	fs.StringVar(&excl, "exclude-namespaces", "kube-system", "comma-separated namespaces whose pods the plugin leaves alone")
 	fs.StringVar(&ipv6, "ipv6", string(spec.IPv6Istio), "IPv6 mode of meshed pods, written into the plugin entry (a pod's meshcni.io/ipv6 wins): istio (capture IPv6 only as Istio does: ISTIO_DUAL_STACK or an IPv6-only pod), capture, drop (IPv6 that is not captured is dropped)")
 	fs.StringVar(&logLevel, "log-level", "info", "agent log level: debug, info, warn, error")
+	fs.StringVar(&c.LogFormat, "log-format", logformat.JSON, "agent "+logformat.Usage)
 	fs.StringVar(&c.PluginLogLevel, "plugin-log-level", "info", "plugin log level: debug, info, warn, error")
 	fs.StringVar(&c.Backend, "backend", "auto", "plugin redirect backend: auto, nftables, iptables-nft, iptables-legacy (iptables = iptables-nft)")
 	fs.StringVar(&c.HealthAddr, "health-addr", "127.0.0.1:9807", "listen address of /healthz, /readyz and /metrics (no authentication: a host-network agent listens on the node's IP, as the chart sets it, or loopback, not every interface)")
@@ -173,6 +176,9 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 	return fs, func() error {
 		if err := c.LogLevel.UnmarshalText([]byte(logLevel)); err != nil {
 			return fmt.Errorf("--log-level %q: want debug, info, warn or error", logLevel)
+		}
+		if _, err := logformat.Parse("--log-format", c.LogFormat); err != nil {
+			return err
 		}
 		k, err := ParseKeepMode(keep)
 		if err != nil {

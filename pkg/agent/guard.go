@@ -20,7 +20,9 @@ import (
 // place: it watches the CNI configuration directory, the binary's directory and the
 // kubeconfig's sources, and reconciles on changes (debounced), with a periodic resync.
 // When another writer keeps removing meshcni's entry it backs off exponentially and
-// reports the conflict instead of looping.
+// reports the conflict instead of looping. A configuration file that does not load
+// (left half-written by another writer) is never written: the guard reports it once
+// per episode and picks up again when the file is valid.
 type Guard struct {
 	Conf       confdir.Options
 	Binary     *install.Binary
@@ -44,7 +46,8 @@ type Guard struct {
 	notBefore   time.Time
 	inConflict  bool
 	lastPrimary string
-	kick        chan struct{} // KubeconfigChanged's signal to Run
+	invalid     map[string]bool // configuration files found invalid, until valid again
+	kick        chan struct{}   // KubeconfigChanged's signal to Run
 }
 
 type part int
@@ -334,8 +337,13 @@ func (g *Guard) outcome(p part, changed bool, err error, msg string, args ...any
 
 func (g *Guard) reconcileConf() {
 	res, err := confdir.Install(g.Conf)
-	for _, s := range res.Skipped {
-		g.Log.Debug("skipped invalid CNI configuration, as kubelet does", "path", s.Path, "err", s.Err)
+	// Skipped is complete once the directory was read: on success, with no primary,
+	// or with the named primary invalid (another error says nothing of the files).
+	if pinned := errors.Is(err, confdir.ErrInvalid); err == nil || pinned || errors.Is(err, confdir.ErrNoPrimary) {
+		g.noteInvalid(res.Skipped, res.Path, pinned)
+	}
+	if errors.Is(err, confdir.ErrInvalid) || errors.Is(err, confdir.ErrNoPrimary) && len(res.Skipped) > 0 {
+		return // reported by noteInvalid; nothing written
 	}
 	if errors.Is(err, confdir.ErrNoPrimary) {
 		g.mu.Lock()
@@ -423,6 +431,62 @@ func (g *Guard) noteReinjection(file string) {
 	}
 }
 
+// noteInvalid tracks the configuration files that do not load (skipped: the runtime
+// reads them before the primary, or the named primary itself). A file's episode
+// starts when it is first found invalid: one warning, one Event, the episode counter;
+// the gauge is 1 until the file is valid again (or gone), which is logged once too.
+func (g *Guard) noteInvalid(skipped []confdir.Skipped, primary string, pinned bool) {
+	now := map[string]bool{}
+	var started []confdir.Skipped
+	g.mu.Lock()
+	for _, s := range skipped {
+		now[s.Path] = true
+		if !g.invalid[s.Path] {
+			started = append(started, s)
+		}
+	}
+	var ended []string
+	for p := range g.invalid {
+		if !now[p] {
+			ended = append(ended, p)
+		}
+	}
+	g.invalid = now
+	g.mu.Unlock()
+	for _, s := range started {
+		file := filepath.Base(s.Path)
+		if g.Metrics != nil {
+			g.Metrics.ConfigInvalid.WithLabelValues(file).Set(1)
+			g.Metrics.ConfigInvalidEpisodes.WithLabelValues(file).Inc()
+		}
+		msg := invalidMessage(s, primary, pinned)
+		g.Log.Warn(msg, "file", s.Path, "err", s.Err.Error(), "entry_in", primary)
+		if g.Recorder != nil {
+			g.Recorder.Warning("ConfigInvalid", msg)
+		}
+	}
+	for _, p := range ended {
+		if g.Metrics != nil {
+			g.Metrics.ConfigInvalid.DeleteLabelValues(filepath.Base(p))
+		}
+		g.Log.Info("CNI configuration valid again (or removed); the agent manages the directory again", "file", p)
+	}
+}
+
+// invalidMessage says what an invalid file means for the node's next pods and what
+// the agent does about it.
+func invalidMessage(s confdir.Skipped, primary string, pinned bool) string {
+	msg := fmt.Sprintf("CNI configuration %s is invalid, left alone (%v): meshcni does not write it and removes nothing until it is valid again", s.Path, s.Err)
+	switch {
+	case pinned:
+		return msg + "; it is the primary named by --cni-conf-file-name, so meshcni's entry stays where it is"
+	case primary != "":
+		return msg + fmt.Sprintf("; meshcni's entry is in %s, the next valid configuration, which CRI-O uses meanwhile (containerd starts no pod while an invalid file sorts first)", primary)
+	default:
+		return msg + "; no valid configuration follows it, so no pod can start on this node until it is valid"
+	}
+}
+
 func otherFiles(dir, except string) []string {
 	files, err := confdir.ListFiles(dir)
 	if err != nil {
@@ -438,7 +502,8 @@ func otherFiles(dir, except string) []string {
 }
 
 // Uninstall removes the configuration entry (or standalone list), the kubeconfig and
-// the binary.
+// the binary. A configuration list that does not parse may hold meshcni's entry
+// unseen: the binary and kubeconfig that entry needs are then kept.
 func (g *Guard) Uninstall() error {
 	var errs []error
 	changed, err := confdir.Uninstall(g.Conf)
@@ -447,6 +512,14 @@ func (g *Guard) Uninstall() error {
 	}
 	for _, f := range changed {
 		g.Log.Info("removed meshcni's configuration", "path", f)
+	}
+	if errors.Is(err, confdir.ErrInvalid) {
+		g.Log.Warn("kept the plugin binary and kubeconfig: a CNI configuration list does not parse and may hold meshcni's entry; remove them by hand once it is valid and without the entry",
+			"binary", g.Binary.Dst, "kubeconfig", g.Kubeconfig.Path, "err", err.Error())
+		if g.Metrics != nil {
+			g.Metrics.Ready.Set(0)
+		}
+		return errors.Join(errs...)
 	}
 	if err := g.Kubeconfig.Remove(); err != nil {
 		errs = append(errs, err)

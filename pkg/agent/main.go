@@ -10,12 +10,20 @@ import (
 	"syscall"
 
 	"github.com/spf13/pflag"
-	"k8s.io/klog/v2"
+
+	"github.com/meshcni/meshcni/pkg/logformat"
 )
 
 // Main is meshcni-agent's main: it parses args and the environment, runs the agent
 // until SIGTERM or SIGINT, and returns the exit code (2: bad settings, 1: failure).
+// It is MainVersion of a build without a version ("dev").
 func Main(args []string, getenv func(string) string, stderr io.Writer) int {
+	return MainVersion("", args, getenv, stderr)
+}
+
+// MainVersion is Main for the binary's version (its main.version), served on
+// /version and in meshcni_build_info.
+func MainVersion(version string, args []string, getenv func(string) string, stderr io.Writer) int {
 	cfg, err := ParseFlags(args, getenv, stderr)
 	if errors.Is(err, pflag.ErrHelp) {
 		return 0
@@ -24,8 +32,8 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "meshcni-agent: %v\n", err)
 		return 2
 	}
-	log := newLogger(stderr, cfg.LogLevel)
-	opts := Options{Getenv: getenv}
+	log := newLogger(stderr, cfg.LogLevel, cfg.LogFormat)
+	opts := Options{Getenv: getenv, Version: version}
 	if k, err := NewKube(cfg); err == nil {
 		defer k.Stop()
 		opts.Kube = k
@@ -55,10 +63,9 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 	return 0
 }
 
-// newLogger is the agent's JSON log on w. client-go's own logs (klog: informers,
-// Events, leader election) go through it too, so the agent's log has one format.
-func newLogger(w io.Writer, level slog.Level) *slog.Logger {
-	log := slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: level}))
-	klog.SetSlogLogger(log)
-	return log
+// newLogger is the agent's log on w, JSON or text (--log-format). client-go's own logs
+// (klog: informers, Events, leader election) go through it too, so the agent's log has
+// one format.
+func newLogger(w io.Writer, level slog.Level, format string) *slog.Logger {
+	return logformat.New(w, level, format)
 }

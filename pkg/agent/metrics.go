@@ -18,6 +18,10 @@ type Metrics struct {
 	PluginAddDuration *prometheus.HistogramVec
 	TokenExpiry       prometheus.Gauge
 	TokenRenewals     *prometheus.CounterVec
+	// ConfigInvalid is 1 per configuration file that does not load while it does not;
+	// ConfigInvalidEpisodes counts the times a file was found so.
+	ConfigInvalid         *prometheus.GaugeVec
+	ConfigInvalidEpisodes *prometheus.CounterVec
 }
 
 // NewMetrics registers the agent's metrics in a new registry.
@@ -57,8 +61,17 @@ func NewMetrics() *Metrics {
 			Name: "meshcni_agent_plugin_token_renewals_total",
 			Help: "TokenRequests for the plugin's token, by result (success, error).",
 		}, []string{"result"}),
+		ConfigInvalid: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "meshcni_agent_cni_config_invalid",
+			Help: "1 for each CNI configuration file read before the primary (or the named primary) that does not load, e.g. half-written; the agent leaves it alone until it is valid.",
+		}, []string{"file"}),
+		ConfigInvalidEpisodes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshcni_agent_cni_config_invalid_episodes_total",
+			Help: "Times a CNI configuration file was found not loading (each episode counted once), by file.",
+		}, []string{"file"}),
 	}
 	m.Registry.MustRegister(m.Installs, m.Ready, m.Reinjections, m.Conflicts, m.PluginCommands, m.PluginAddDuration, m.TokenExpiry, m.TokenRenewals,
+		m.ConfigInvalid, m.ConfigInvalidEpisodes,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, r := range []string{"success", "error"} {
 		m.Installs.WithLabelValues(r)

@@ -7,16 +7,18 @@ import (
 	"net"
 	"net/http"
 
+	"github.com/meshcni/meshcni/pkg/buildinfo"
 	"github.com/meshcni/meshcni/pkg/healthz"
 )
 
 // HealthServer serves /healthz (alive), /readyz (ready: Ready returns nil, checked
-// live) and /metrics.
+// live), /metrics and /version (Build as JSON).
 type HealthServer struct {
 	Addr    string
 	Ready   func() error
 	Metrics *Metrics
 	Log     *slog.Logger
+	Build   buildinfo.Info
 
 	listening chan net.Addr
 }
@@ -26,7 +28,10 @@ func (s *HealthServer) Name() string { return "health server" }
 
 // Handler returns the server's routes.
 func (s *HealthServer) Handler() http.Handler {
-	return healthz.Handler(nil, s.Ready, s.Metrics.Registry)
+	mux := http.NewServeMux()
+	mux.Handle("GET /version", s.Build.Handler())
+	mux.Handle("/", healthz.Handler(nil, s.Ready, s.Metrics.Registry))
+	return mux
 }
 
 // Run listens on Addr and serves until ctx ends.
@@ -38,6 +43,6 @@ func (s *HealthServer) Run(ctx context.Context) error {
 	if s.listening != nil {
 		s.listening <- l.Addr()
 	}
-	s.Log.Info("serving /healthz, /readyz and /metrics", "addr", l.Addr().String())
+	s.Log.Info("serving /healthz, /readyz, /metrics and /version", "addr", l.Addr().String(), "version", s.Build.Version)
 	return healthz.Serve(ctx, l, s.Handler())
 }

@@ -16,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/meshcni/meshcni/pkg/flagenv"
+	"github.com/meshcni/meshcni/pkg/logformat"
 )
 
 // EnvPrefix prefixes the environment variable of every flag: --grace-period is
@@ -50,6 +51,7 @@ type Config struct {
 
 	HealthAddr string
 	LogLevel   slog.Level
+	LogFormat  string // logformat.JSON or logformat.Text
 }
 
 // Policy is the decision's part of the configuration.
@@ -116,10 +118,14 @@ Flags (each also read from the environment variable named in brackets):
 	fs.DurationVar(&c.RetryPeriod, "retry-period", 2*time.Second, "interval between tries to acquire or renew the Lease")
 	fs.StringVar(&c.HealthAddr, "health-addr", ":9808", "listen address of /healthz, /readyz and /metrics (empty: none)")
 	fs.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn, error")
+	fs.StringVar(&c.LogFormat, "log-format", logformat.JSON, logformat.Usage)
 
 	return fs, func() error {
 		if err := c.LogLevel.UnmarshalText([]byte(logLevel)); err != nil {
 			return fmt.Errorf("--log-level %q: want debug, info, warn or error", logLevel)
+		}
+		if _, err := logformat.Parse("--log-format", c.LogFormat); err != nil {
+			return err
 		}
 		var err error
 		if c.AgentSelector, err = labels.Parse(agentSel); err != nil {

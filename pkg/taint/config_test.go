@@ -70,6 +70,7 @@ func TestParseFlags(t *testing.T) {
 		{name: "bad workers", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--workers", "0"}, wantErr: "--workers 0"},
 		{name: "bad health addr", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--health-addr", "9808"}, wantErr: `--health-addr "9808"`},
 		{name: "bad log level", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--log-level", "loud"}, wantErr: `--log-level "loud"`},
+		{name: "bad log format", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--log-format", "logfmt"}, wantErr: `--log-format "logfmt": want json or text`},
 		{name: "stray argument", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"run"}, wantErr: "unexpected arguments"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

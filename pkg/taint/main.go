@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"os/signal"
 	"syscall"
 
@@ -13,13 +12,22 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
-	"k8s.io/klog/v2"
+
+	"github.com/meshcni/meshcni/pkg/buildinfo"
+	"github.com/meshcni/meshcni/pkg/logformat"
 )
 
 // Main is meshcni-taint-controller's main: it parses args and the environment, runs the
 // controller until SIGTERM or SIGINT, and returns the exit code (0: stopped by a signal
-// or --help, 2: bad settings, 1: failure, including a lost Lease).
+// or --help, 2: bad settings, 1: failure, including a lost Lease). It is MainVersion
+// of a build without a version ("dev").
 func Main(args []string, getenv func(string) string, stderr io.Writer) int {
+	return MainVersion("", args, getenv, stderr)
+}
+
+// MainVersion is Main for the binary's version (its main.version), in
+// meshcni_build_info.
+func MainVersion(version string, args []string, getenv func(string) string, stderr io.Writer) int {
 	cfg, err := ParseFlags(args, getenv, stderr)
 	if errors.Is(err, pflag.ErrHelp) {
 		return 0
@@ -28,8 +36,7 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "%s: %v\n", Component, err)
 		return 2
 	}
-	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: cfg.LogLevel}))
-	klog.SetSlogLogger(log) // client-go's own logs (leader election) as JSON too
+	log := logformat.New(stderr, cfg.LogLevel, cfg.LogFormat) // client-go's own logs (leader election) too
 	rc, err := restConfig(cfg.Kubeconfig)
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", Component, err)
@@ -45,6 +52,8 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "%s: %v\n", Component, err)
 		return 2
 	}
+	build := buildinfo.New(version)
+	c.Metrics.Registry.MustRegister(build.Collector())
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	ctx, cancel := context.WithCancel(ctx)
@@ -63,7 +72,7 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 	}
 	log.Info("starting", "agentNamespace", cfg.AgentNamespace, "agentSelector", cfg.AgentSelector.String(),
 		"nodeSelector", cfg.NodeSelector.String(), "gracePeriod", cfg.GracePeriod.String(), "taintNewNodes", cfg.TaintNewNodes,
-		"leaderElect", cfg.LeaderElect, "identity", cfg.Identity)
+		"leaderElect", cfg.LeaderElect, "identity", cfg.Identity, "version", build.Version)
 	runErr := c.Run(ctx)
 	cancel()
 	if err := <-serveErr; err != nil {

@@ -5,6 +5,7 @@ package confdir
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -29,6 +30,23 @@ var ErrNoPrimary = errors.New("no primary CNI configuration")
 
 // ErrChanged: a file changed while it was being rewritten; the write was abandoned.
 var ErrChanged = errors.New("file changed concurrently")
+
+// ErrInvalid: a configuration file cannot be loaded (truncated or half-written JSON, an
+// empty file) and is left alone: the named primary (Install, Check) or a list that may
+// hold meshcni's entry unseen (Uninstall).
+var ErrInvalid = errors.New("invalid CNI configuration")
+
+// invalidError is ErrInvalid for one file, with libcni's reason.
+type invalidError struct {
+	path string
+	err  error
+}
+
+func (e *invalidError) Error() string {
+	return fmt.Sprintf("CNI configuration %s is invalid: %v", e.path, e.err)
+}
+func (e *invalidError) Unwrap() error        { return e.err }
+func (e *invalidError) Is(target error) bool { return target == ErrInvalid }
 
 // Options say where and how meshcni's configuration goes.
 type Options struct {
@@ -83,7 +101,11 @@ type Primary struct {
 	id     fileID
 }
 
-// Skipped is a configuration file passed over because libcni would not load it.
+// Skipped is a configuration file passed over because libcni would not load it. Every
+// skipped file sorts before the primary (or is the named primary): the runtime reads
+// it first. containerd's CRI then loads no network at all (go-cni fails on the first
+// file it cannot parse, so no pod starts); CRI-O skips it and uses the next valid
+// file.
 type Skipped struct {
 	Path string
 	Err  error
@@ -170,7 +192,8 @@ func ListFiles(dir string) ([]string, error) {
 
 // FindPrimary returns the configuration kubelet would use: the file fileName when it
 // is set, else the lexically first file in dir that libcni loads. Files it passes over
-// are returned in skipped. It returns ErrNoPrimary when there is none.
+// are returned in skipped. It returns ErrNoPrimary when there is none, and an
+// ErrInvalid (the file in skipped) when the named file cannot be loaded.
 func FindPrimary(dir, fileName string) (p *Primary, skipped []Skipped, err error) {
 	var files []string
 	if fileName != "" {
@@ -186,8 +209,11 @@ func FindPrimary(dir, fileName string) (p *Primary, skipped []Skipped, err error
 		if errors.Is(err, fs.ErrNotExist) {
 			continue // removed since listed
 		}
-		if unloadable(err) && fileName == "" {
+		if unloadable(err) {
 			skipped = append(skipped, Skipped{Path: path, Err: err})
+			if fileName != "" {
+				return nil, skipped, &invalidError{path, err}
+			}
 			continue
 		}
 		if err != nil {
@@ -200,10 +226,10 @@ func FindPrimary(dir, fileName string) (p *Primary, skipped []Skipped, err error
 			err = ValidConf(data)
 		}
 		if err != nil {
-			if fileName != "" {
-				return nil, skipped, fmt.Errorf("CNI configuration %s is invalid: %w", path, err)
-			}
 			skipped = append(skipped, Skipped{Path: path, Err: err})
+			if fileName != "" {
+				return nil, skipped, &invalidError{path, err}
+			}
 			continue
 		}
 		return &Primary{Path: path, Data: data, IsList: isList, Mode: mode, id: id}, skipped, nil
@@ -223,13 +249,21 @@ type Result struct {
 	Converted string
 	// Cleaned are other files a stale meshcni entry was removed from.
 	Cleaned []string
-	// Skipped are files libcni would not load.
+	// Skipped are files libcni would not load, read by the runtime before Path. While
+	// there are any, Install writes only Path (and never a skipped file): it cleans and
+	// converts nothing else, so the last good state stays as it is.
 	Skipped []Skipped
 }
 
 // Install puts meshcni's entry in place: injected into the primary configuration
 // (chained) or as its own list (standalone). It writes nothing when all is in place.
 // On ErrChanged (the primary was rewritten under it) it retries a few times.
+//
+// A file that sorts before the primary and does not load (Result.Skipped) is never
+// written: the entry goes into the next valid file, the one CRI-O uses meanwhile
+// (containerd starts no pod while the broken file sorts first), and other files keep
+// their entries until the broken one is valid again. A named primary that does not
+// load is an ErrInvalid, and nothing is written.
 func Install(o Options) (Result, error) {
 	if err := o.Entry.Validate(); err != nil {
 		return Result{}, err
@@ -280,7 +314,9 @@ func installChained(o Options) (Result, error) {
 	if p.IsList {
 		err := cniconf.CheckEntry(p.Data, o.Entry)
 		if err == nil {
-			res.Cleaned, err = cleanOthers(o.Dir, p.Path)
+			if len(skipped) == 0 {
+				res.Cleaned, err = cleanOthers(o.Dir, p.Path)
+			}
 			return res, err
 		}
 		res.Missing = errors.Is(err, cniconf.ErrNoEntry)
@@ -306,7 +342,9 @@ func installChained(o Options) (Result, error) {
 		}
 		res.Converted = p.Path
 	}
-	res.Cleaned, err = cleanOthers(o.Dir, target)
+	if len(skipped) == 0 {
+		res.Cleaned, err = cleanOthers(o.Dir, target)
+	}
 	return res, err
 }
 
@@ -325,15 +363,18 @@ func writeIfUnchanged(target string, data []byte, p *Primary) error {
 // cleanOthers removes meshcni entries from the configuration lists of dir other than
 // keep (left over from a file that was the primary before).
 func cleanOthers(dir, keep string) ([]string, error) {
-	return removeEntries(dir, keep)
+	cleaned, _, err := removeEntries(dir, keep)
+	return cleaned, err
 }
 
-func removeEntries(dir, keep string) ([]string, error) {
+// removeEntries removes meshcni entries from the lists of dir other than keep. It
+// returns the files it changed, and unseen: lists it left alone that do not parse at
+// all, so may hold an entry it cannot see.
+func removeEntries(dir, keep string) (cleaned, unseen []string, err error) {
 	files, err := ListFiles(dir)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	var cleaned []string
 	var errs []error
 	for _, path := range files {
 		if path == keep || !strings.HasSuffix(path, ".conflist") {
@@ -344,6 +385,9 @@ func removeEntries(dir, keep string) ([]string, error) {
 			continue
 		}
 		if ValidList(data) != nil {
+			if !json.Valid(data) {
+				unseen = append(unseen, path)
+			}
 			continue
 		}
 		out, n, err := cniconf.Remove(data)
@@ -357,11 +401,13 @@ func removeEntries(dir, keep string) ([]string, error) {
 		}
 		cleaned = append(cleaned, path)
 	}
-	return cleaned, errors.Join(errs...)
+	return cleaned, unseen, errors.Join(errs...)
 }
 
 // Uninstall removes meshcni's configuration: the standalone list, or every meshcni
 // entry from the lists in the directory. It returns the files it changed or removed.
+// A list that does not parse is left alone and named in an ErrInvalid: it may hold an
+// entry that will need the plugin once the file is whole again.
 func Uninstall(o Options) ([]string, error) {
 	if !o.Chained {
 		path := o.standalonePath()
@@ -373,7 +419,11 @@ func Uninstall(o Options) ([]string, error) {
 		}
 		return []string{path}, nil
 	}
-	return removeEntries(o.Dir, "")
+	changed, unseen, err := removeEntries(o.Dir, "")
+	if len(unseen) > 0 {
+		err = errors.Join(err, fmt.Errorf("%w: %s left alone (it does not parse, so it may hold meshcni's entry)", ErrInvalid, strings.Join(unseen, ", ")))
+	}
+	return changed, err
 }
 
 // Check returns the file holding meshcni's entry, or why it is not in place: a live

@@ -31,14 +31,17 @@ var testEntry = cniconf.PluginEntry{
 type caseOptions struct {
 	Chained  *bool  `json:"chained"`
 	FileName string `json:"file_name"`
+	// UninstallLeaves are lists Uninstall leaves alone and names in an ErrInvalid:
+	// they do not parse, so may hold an entry it cannot see.
+	UninstallLeaves []string `json:"uninstall_leaves"`
 }
 
-func loadCase(t *testing.T, dir string) Options {
+func loadCase(t *testing.T, dir string) (Options, caseOptions) {
 	t.Helper()
 	o := Options{Chained: true, Entry: testEntry}
 	data, err := os.ReadFile(filepath.Join(dir, "options.json"))
 	if errors.Is(err, fs.ErrNotExist) {
-		return o
+		return o, caseOptions{}
 	}
 	if err != nil {
 		t.Fatal(err)
@@ -51,7 +54,7 @@ func loadCase(t *testing.T, dir string) Options {
 		o.Chained = *co.Chained
 	}
 	o.FileName = co.FileName
-	return o
+	return o, co
 }
 
 func copyDir(t *testing.T, src, dst string) {
@@ -125,7 +128,7 @@ func TestInstallGolden(t *testing.T) {
 	for _, name := range cases(t) {
 		t.Run(name, func(t *testing.T) {
 			tc := filepath.Join("testdata", name)
-			o := loadCase(t, tc)
+			o, co := loadCase(t, tc)
 			o.Dir = t.TempDir()
 			copyDir(t, filepath.Join(tc, "before"), o.Dir)
 
@@ -146,8 +149,17 @@ func TestInstallGolden(t *testing.T) {
 				t.Errorf("second Install = %+v, %v; want no change", again, err)
 			}
 
-			if _, err := Uninstall(o); err != nil {
+			_, err = Uninstall(o)
+			switch {
+			case len(co.UninstallLeaves) == 0 && err != nil:
 				t.Fatalf("Uninstall: %v", err)
+			case len(co.UninstallLeaves) > 0 && !errors.Is(err, ErrInvalid):
+				t.Fatalf("Uninstall error = %v, want ErrInvalid naming %v", err, co.UninstallLeaves)
+			}
+			for _, name := range co.UninstallLeaves {
+				if !strings.Contains(err.Error(), name) {
+					t.Errorf("Uninstall error %q does not name %s", err, name)
+				}
 			}
 			compareGolden(t, o.Dir, filepath.Join(tc, "uninstalled"))
 			if _, err := Check(o); err == nil {
