@@ -29,8 +29,9 @@ var testEntry = cniconf.PluginEntry{
 }
 
 type caseOptions struct {
-	Chained  *bool  `json:"chained"`
-	FileName string `json:"file_name"`
+	Chained     *bool  `json:"chained"`
+	FileName    string `json:"file_name"`
+	NetworkName string `json:"network_name"`
 }
 
 func loadCase(t *testing.T, dir string) Options {
@@ -51,6 +52,7 @@ func loadCase(t *testing.T, dir string) Options {
 		o.Chained = *co.Chained
 	}
 	o.FileName = co.FileName
+	o.NetworkName = co.NetworkName
 	return o
 }
 
