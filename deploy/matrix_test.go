@@ -244,6 +244,10 @@ func matrix() []matrixCase {
 				}
 			}
 		}},
+		// A values file written for Istio's istio-cni chart (its defaults, then a production
+		// override on OpenShift) plus the one meshcni line it needs: istiod's untaint
+		// controller (podLabels k8s-app) instead of meshcni's.
+		{name: "istio-values", values: []string{"@" + istioDefaultsFile, "@" + istioProductionFile, "taintController.enabled=false"}, check: checkIstioValues},
 		{name: "testbed", values: []string{"@testbed-values.yaml"}, check: func(t *testing.T, c *chart) {
 			if c.agentC.CNIBinDir != "/var/lib/meshcni-testbed/cni/bin" || agentEnv(c)["KUBERNETES_SERVICE_PORT"].Value != "6443" ||
 				c.agent.Spec.Template.Spec.Containers[0].Image != "meshcni.local/meshcni:dev" || *c.taint.Spec.Replicas != 1 ||
