@@ -49,6 +49,9 @@ type Options struct {
 	Timeout time.Duration
 	// SkipMeshcni installs Istio only.
 	SkipMeshcni bool
+	// ExtraValues are merged over Values() for the istiod chart (maps merged key by
+	// key, anything else replaced), e.g. {"pilot": {"taint": {"enabled": true}}}.
+	ExtraValues map[string]any
 }
 
 func (o *Options) defaults() {
@@ -97,6 +100,19 @@ func Values() map[string]any {
 			"defaultTemplates": []string{"sidecar", hostAliasesTpl},
 		},
 	}
+}
+
+// mergeValues merges src over dst: maps key by key, anything else replaced.
+func mergeValues(dst, src map[string]any) map[string]any {
+	for k, v := range src {
+		sub, ok := v.(map[string]any)
+		if d, isMap := dst[k].(map[string]any); ok && isMap {
+			dst[k] = mergeValues(d, sub)
+			continue
+		}
+		dst[k] = v
+	}
+	return dst
 }
 
 type runner struct {
@@ -167,7 +183,7 @@ func (r *runner) installIstio(ctx context.Context, b Build) error {
 		return err
 	}
 	r.step("helm " + BaseRelease + " (Istio's base chart)")
-	vals, err := yaml.Marshal(Values())
+	vals, err := yaml.Marshal(mergeValues(Values(), r.o.ExtraValues))
 	if err != nil {
 		return err
 	}
