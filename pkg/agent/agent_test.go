@@ -260,8 +260,9 @@ func sameDir(got, want map[string]string) error {
 }
 
 type caseOptions struct {
-	Chained  *bool  `json:"chained"`
-	FileName string `json:"file_name"`
+	Chained     *bool  `json:"chained"`
+	FileName    string `json:"file_name"`
+	NetworkName string `json:"network_name"`
 }
 
 func caseArgs(t *testing.T, dir string) []string {
@@ -282,6 +283,9 @@ func caseArgs(t *testing.T, dir string) []string {
 	}
 	if co.FileName != "" {
 		args = append(args, "--cni-conf-file-name", co.FileName)
+	}
+	if co.NetworkName != "" {
+		args = append(args, "--network-name", co.NetworkName)
 	}
 	return args
 }
