@@ -210,7 +210,10 @@ func mappedCases() map[string][]mappedCase {
 			want := []corev1.Toleration{{Key: "CriticalAddonsOnly", Operator: corev1.TolerationOpExists}}
 			return expect(reflect.DeepEqual(agentSpec(c).Tolerations, want), "tolerations %+v", agentSpec(c).Tolerations)
 		}}},
-		"updateStrategy": {{[]string{`json:updateStrategy={"type":"RollingUpdate","rollingUpdate":{"maxUnavailable":"10%","maxSurge":0}}`}, func(_ *testing.T, c *chart) error {
+		"updateStrategy": {{[]string{"updateStrategy.type=OnDelete"}, func(_ *testing.T, c *chart) error {
+			u := c.agent.Spec.UpdateStrategy
+			return expect(u.Type == "OnDelete" && u.RollingUpdate == nil, "update strategy %+v", u)
+		}}, {[]string{`json:updateStrategy={"type":"RollingUpdate","rollingUpdate":{"maxUnavailable":"10%","maxSurge":0}}`}, func(_ *testing.T, c *chart) error {
 			u := c.agent.Spec.UpdateStrategy
 			return expect(u.RollingUpdate != nil && u.RollingUpdate.MaxUnavailable.String() == "10%", "update strategy %+v", u)
 		}}},

@@ -137,7 +137,8 @@ Repair: Istio's three booleans, label key, legacy exit code and message, netns d
 {{- end -}}
 
 {{/*
-Pod: resources (global.defaultResources), SELinux and AppArmor as Istio's chart sets them.
+Pod: resources (global.defaultResources), SELinux and AppArmor as Istio's chart sets them,
+an OnDelete update strategy without the default's rollingUpdate.
 */}}
 {{- define "meshcni.istio.pod" -}}
 {{- $v := .Values -}}
@@ -157,6 +158,12 @@ Pod: resources (global.defaultResources), SELinux and AppArmor as Istio's chart 
 {{- end -}}
 {{- end -}}
 {{- $_ := set $v "securityContext" $sc -}}
+{{- with $v.updateStrategy -}}
+{{- if eq (.type | default "") "OnDelete" -}}
+{{- /* Helm merged the default rollingUpdate in; OnDelete takes none. */ -}}
+{{- $_ := unset . "rollingUpdate" -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/*
