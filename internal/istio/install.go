@@ -210,14 +210,18 @@ func (r *runner) installIstio(ctx context.Context, b Build) error {
 }
 
 // hostNetwork patches istiod's Deployment onto the host network with the API server's
-// address (pods on the pod network cannot reach the API server here).
+// address (pods on the pod network cannot reach the API server here), with the Recreate
+// strategy: on one node a second host-network istiod cannot bind the first one's ports,
+// so an upgrade (new values) replaces the pod instead of surging.
 func (r *runner) hostNetwork(ctx context.Context) error {
 	env := testbed.APIServerEnv()
-	patch := map[string]any{"spec": map[string]any{"template": map[string]any{"spec": map[string]any{
-		"hostNetwork": true,
-		"dnsPolicy":   string(corev1.DNSClusterFirstWithHostNet),
-		"containers":  []any{map[string]any{"name": "discovery", "env": env}},
-	}}}}
+	patch := map[string]any{"spec": map[string]any{
+		"strategy": map[string]any{"type": string(appsv1.RecreateDeploymentStrategyType), "rollingUpdate": nil},
+		"template": map[string]any{"spec": map[string]any{
+			"hostNetwork": true,
+			"dnsPolicy":   string(corev1.DNSClusterFirstWithHostNet),
+			"containers":  []any{map[string]any{"name": "discovery", "env": env}},
+		}}}}
 	pb, err := json.Marshal(patch)
 	if err != nil {
 		return err
