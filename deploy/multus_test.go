@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -108,6 +109,14 @@ func TestMultusStandalone(t *testing.T) {
 	cmd.Env = append(helmEnv(helmHome), "KUBECONFIG="+tb.Kubeconfig())
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("helm uninstall: %v\n%s", err, out)
+	}
+	if err := poll(ctx, time.Minute, func() error {
+		if n := agentPodNames(ctx, t, tb); len(n) > 0 {
+			return fmt.Errorf("agent pods left: %v", n)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
 	if _, err := os.Stat(listPath); !os.IsNotExist(err) {
 		t.Errorf("%s after helm uninstall: %v", listPath, err)
