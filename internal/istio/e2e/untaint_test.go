@@ -53,22 +53,21 @@ func TestIstiodUntaintsMeshcniNode(t *testing.T) {
 
 	// istiod with its untaint controller watching meshcni's namespace; restored after.
 	taintValues := map[string]any{"pilot": map[string]any{"taint": map[string]any{"enabled": true, "namespace": demo.ReleaseNamespace}}}
+	// Restored after: istiod and meshcni as istio.Up installs them (helm upgrade with
+	// their full values: --reuse-values cannot drop a label again).
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+		defer cancel()
+		if _, err := istio.Up(ctx, tb, istio.Options{RepoRoot: upRoot}); err != nil {
+			t.Errorf("restore istiod and meshcni: %v", err)
+		}
+	})
+	t.Cleanup(func() { setTaint(t, tb, false) })
 	if _, err := istio.Up(ctx, tb, istio.Options{RepoRoot: upRoot, SkipMeshcni: true, ExtraValues: taintValues}); err != nil {
 		t.Fatalf("istiod with pilot.taint.enabled: %v", err)
 	}
-	t.Cleanup(func() {
-		if _, err := istio.Up(context.Background(), tb, istio.Options{RepoRoot: upRoot, SkipMeshcni: true}); err != nil {
-			t.Errorf("restore istiod: %v", err)
-		}
-	})
-	// meshcni without its own taint controller, no label yet; restored after.
+	// meshcni without its own taint controller, no label yet.
 	meshcni(ctx, "--set", "taintController.enabled=false")
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-		defer cancel()
-		meshcni(ctx, "--set", "taintController.enabled=true", "--set", "podLabels=null")
-	})
-	t.Cleanup(func() { setTaint(t, tb, false) })
 
 	setTaint(t, tb, true)
 	// No agent pod carries the label: istiod leaves the taint (watched for 10 s).
