@@ -36,6 +36,8 @@ type chart struct {
 	taintC *taint.Config      // same for the taint controller
 	// ownNodeSelector: the values set taintController.nodeSelectorLabels.
 	ownNodeSelector bool
+	// ownUpdateStrategy: the values set updateStrategy.
+	ownUpdateStrategy bool
 }
 
 func (c *chart) find(kind, name string) *unstructured.Unstructured {
@@ -147,6 +149,9 @@ func taintEnvNames(t testing.TB) map[string]bool {
 	return envNames(t, b.String())
 }
 
+// meshcniImage: a reference to a meshcni image, by tag or digest.
+var meshcniImage = regexp.MustCompile(`^[^\s@]+/meshcni[-a-z0-9]*(:[A-Za-z0-9_][A-Za-z0-9_.-]*|@sha256:[0-9a-f]{64})$`)
+
 // load renders the chart with values and checks what every rendering must hold.
 func load(t *testing.T, values []string) *chart {
 	t.Helper()
@@ -159,8 +164,10 @@ func load(t *testing.T, values []string) *chart {
 				t.Fatal(err)
 			}
 			c.ownNodeSelector = c.ownNodeSelector || strings.Contains(string(b), "nodeSelectorLabels:")
+			c.ownUpdateStrategy = c.ownUpdateStrategy || strings.Contains(string(b), "\nupdateStrategy:")
 		}
 		c.ownNodeSelector = c.ownNodeSelector || strings.HasPrefix(v, "taintController.nodeSelectorLabels=")
+		c.ownUpdateStrategy = c.ownUpdateStrategy || strings.HasPrefix(strings.TrimPrefix(v, "json:"), "updateStrategy")
 	}
 	c.checkLabels(t)
 	if o := c.find("DaemonSet", "meshcni-agent"); o == nil {
@@ -197,6 +204,11 @@ func (c *chart) checkLabels(t *testing.T) {
 			t.Errorf("%s %s: labels %v", o.GetKind(), o.GetName(), l)
 		}
 		switch o.GetKind() {
+		case "NetworkAttachmentDefinition":
+			// Where Istio's injector asks for it: k8s.v1.cni.cncf.io/networks: default/istio-cni.
+			if o.GetNamespace() != "default" {
+				t.Errorf("%s %s: namespace %q, want default", o.GetKind(), o.GetName(), o.GetNamespace())
+			}
 		case "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding":
 			if o.GetNamespace() != "" {
 				t.Errorf("%s %s: cluster-scoped object with namespace %q", o.GetKind(), o.GetName(), o.GetNamespace())
@@ -224,15 +236,15 @@ func (c *chart) checkAgent(t *testing.T) {
 	if !ps.HostNetwork || ps.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
 		t.Errorf("agent: hostNetwork %v, dnsPolicy %q", ps.HostNetwork, ps.DNSPolicy)
 	}
-	if u := ds.Spec.UpdateStrategy; u.Type != appsv1.RollingUpdateDaemonSetStrategyType || u.RollingUpdate == nil || u.RollingUpdate.MaxUnavailable.IntValue() != 1 {
+	if u := ds.Spec.UpdateStrategy; !c.ownUpdateStrategy && (u.Type != appsv1.RollingUpdateDaemonSetStrategyType || u.RollingUpdate == nil || u.RollingUpdate.MaxUnavailable.IntValue() != 1) {
 		t.Errorf("agent update strategy %+v", u)
 	}
 	if len(ps.Containers) != 1 {
 		t.Fatalf("agent: %d containers", len(ps.Containers))
 	}
 	ct := ps.Containers[0]
-	if !strings.Contains(ct.Image, "/meshcni:") {
-		t.Errorf("agent image %q: want <hub>/meshcni:<tag>", ct.Image)
+	if !meshcniImage.MatchString(ct.Image) {
+		t.Errorf("agent image %q: want <hub>/meshcni:<tag> or a meshcni reference with a tag or digest", ct.Image)
 	}
 	if !slices.Equal(ct.Command, []string{"/usr/local/bin/meshcni-agent"}) {
 		t.Errorf("agent command %q", ct.Command)

@@ -13,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
@@ -92,15 +93,17 @@ func TestServerDryRun(t *testing.T) {
 	t.Cleanup(func() { _ = tb.Stop(context.Background()) })
 	t.Logf("API server up in %s (%s after the lock)", time.Since(began).Round(time.Millisecond), tb.StartupTime.Round(time.Millisecond))
 
+	dyn, err := dynamic.NewForConfig(tb.RESTConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Multus' CRD, so the NetworkAttachmentDefinition of provider multus is validated too.
+	installCRD(ctx, t, dyn, "testdata/network-attachment-definition-crd.yaml")
 	dc, err := discovery.NewDiscoveryClientForConfig(tb.RESTConfig)
 	if err != nil {
 		t.Fatal(err)
 	}
 	groups, err := restmapper.GetAPIGroupResources(dc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dyn, err := dynamic.NewForConfig(tb.RESTConfig)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -191,5 +194,47 @@ func createNamespace(ctx context.Context, t *testing.T, tb *testbed.Testbed, ns 
 	}
 	if ns == dryRunNamespace {
 		t.Cleanup(func() { _ = tb.Client.CoreV1().Namespaces().Delete(context.Background(), ns, metav1.DeleteOptions{}) })
+	}
+}
+
+var crdResource = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
+
+// installCRD creates the CRD in file unless it exists (then it is left as found; one this
+// test created is deleted at the end) and waits until it is established.
+func installCRD(ctx context.Context, t *testing.T, dyn dynamic.Interface, file string) {
+	t.Helper()
+	b, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs, err := parseObjects(string(b))
+	if err != nil || len(objs) != 1 {
+		t.Fatalf("%s: %v (%d objects)", file, err, len(objs))
+	}
+	crds := dyn.Resource(crdResource)
+	name := objs[0].GetName()
+	switch _, err := crds.Create(ctx, objs[0], metav1.CreateOptions{}); {
+	case apierrors.IsAlreadyExists(err):
+	case err != nil:
+		t.Fatalf("create CRD %s: %v", name, err)
+	default:
+		t.Cleanup(func() { _ = crds.Delete(context.Background(), name, metav1.DeleteOptions{}) })
+	}
+	for {
+		got, err := crds.Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatalf("CRD %s: %v", name, err)
+		}
+		conds, _, _ := unstructured.NestedSlice(got.Object, "status", "conditions")
+		for _, c := range conds {
+			if m, _ := c.(map[string]any); m["type"] == "Established" && m["status"] == "True" {
+				return
+			}
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("CRD %s not established: %v", name, ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
 	}
 }

@@ -97,12 +97,17 @@ func runHelm(t testing.TB, args ...string) (string, error) {
 	return stdout.String(), nil
 }
 
-// templateArgs are the arguments of `helm template` for a set of values.
+// templateArgs are the arguments of `helm template` for a set of values: @file is
+// --values file, json:key=JSON is --set-json, --flag=x is passed as is, else --set.
 func templateArgs(ns string, values []string) []string {
 	args := []string{"template", release, chartDir, "--namespace", ns}
 	for _, v := range values {
 		if f, ok := strings.CutPrefix(v, "@"); ok {
 			args = append(args, "--values", f)
+		} else if j, ok := strings.CutPrefix(v, "json:"); ok {
+			args = append(args, "--set-json", j)
+		} else if strings.HasPrefix(v, "--") {
+			args = append(args, v) // a helm flag, e.g. --kube-version
 		} else {
 			args = append(args, "--set", v)
 		}

@@ -244,6 +244,19 @@ func matrix() []matrixCase {
 				}
 			}
 		}},
+		// A values file written for Istio's istio-cni chart (its defaults, then a production
+		// override on OpenShift) plus the one meshcni line it needs: istiod's untaint
+		// controller (podLabels k8s-app) instead of meshcni's.
+		// Istio's chart defaults alone: meshcni's image under Istio's global.hub and tag,
+		// Istio's tolerations and resources, the agent AppArmor-unconfined by annotation.
+		{name: "istio-defaults", values: []string{"@" + istioDefaultsFile}, check: func(t *testing.T, c *chart) {
+			ct := c.agent.Spec.Template.Spec.Containers[0]
+			if ct.Image != "registry.istio.io/testing/meshcni:latest" || ct.ImagePullPolicy != "" || c.agent.Spec.Template.Annotations["container.apparmor.security.beta.kubernetes.io/agent"] != "unconfined" ||
+				ct.Resources.Requests.Cpu().String() != "100m" || !c.agentC.Chained || !c.agentC.Repair || c.agentC.RepairAction != repair.ActionRepair || c.count("NetworkAttachmentDefinition") != 0 {
+				t.Errorf("agent %s %q, annotations %v, resources %v, config %+v", ct.Image, ct.ImagePullPolicy, c.agent.Spec.Template.Annotations, ct.Resources, c.agentC)
+			}
+		}},
+		{name: "istio-values", values: []string{"@" + istioDefaultsFile, "@" + istioProductionFile, "taintController.enabled=false"}, check: checkIstioValues},
 		{name: "testbed", values: []string{"@testbed-values.yaml"}, check: func(t *testing.T, c *chart) {
 			if c.agentC.CNIBinDir != "/var/lib/meshcni-testbed/cni/bin" || agentEnv(c)["KUBERNETES_SERVICE_PORT"].Value != "6443" ||
 				c.agent.Spec.Template.Spec.Containers[0].Image != "meshcni.local/meshcni:dev" || *c.taint.Spec.Replicas != 1 ||

@@ -49,6 +49,9 @@ type Options struct {
 	Timeout time.Duration
 	// SkipMeshcni installs Istio only.
 	SkipMeshcni bool
+	// ExtraValues are merged over Values() for the istiod chart (maps merged key by
+	// key, anything else replaced), e.g. {"pilot": {"taint": {"enabled": true}}}.
+	ExtraValues map[string]any
 }
 
 func (o *Options) defaults() {
@@ -97,6 +100,19 @@ func Values() map[string]any {
 			"defaultTemplates": []string{"sidecar", hostAliasesTpl},
 		},
 	}
+}
+
+// mergeValues merges src over dst: maps key by key, anything else replaced.
+func mergeValues(dst, src map[string]any) map[string]any {
+	for k, v := range src {
+		sub, ok := v.(map[string]any)
+		if d, isMap := dst[k].(map[string]any); ok && isMap {
+			dst[k] = mergeValues(d, sub)
+			continue
+		}
+		dst[k] = v
+	}
+	return dst
 }
 
 type runner struct {
@@ -167,7 +183,7 @@ func (r *runner) installIstio(ctx context.Context, b Build) error {
 		return err
 	}
 	r.step("helm " + BaseRelease + " (Istio's base chart)")
-	vals, err := yaml.Marshal(Values())
+	vals, err := yaml.Marshal(mergeValues(Values(), r.o.ExtraValues))
 	if err != nil {
 		return err
 	}
@@ -194,14 +210,18 @@ func (r *runner) installIstio(ctx context.Context, b Build) error {
 }
 
 // hostNetwork patches istiod's Deployment onto the host network with the API server's
-// address (pods on the pod network cannot reach the API server here).
+// address (pods on the pod network cannot reach the API server here), with the Recreate
+// strategy: on one node a second host-network istiod cannot bind the first one's ports,
+// so an upgrade (new values) replaces the pod instead of surging.
 func (r *runner) hostNetwork(ctx context.Context) error {
 	env := testbed.APIServerEnv()
-	patch := map[string]any{"spec": map[string]any{"template": map[string]any{"spec": map[string]any{
-		"hostNetwork": true,
-		"dnsPolicy":   string(corev1.DNSClusterFirstWithHostNet),
-		"containers":  []any{map[string]any{"name": "discovery", "env": env}},
-	}}}}
+	patch := map[string]any{"spec": map[string]any{
+		"strategy": map[string]any{"type": string(appsv1.RecreateDeploymentStrategyType), "rollingUpdate": nil},
+		"template": map[string]any{"spec": map[string]any{
+			"hostNetwork": true,
+			"dnsPolicy":   string(corev1.DNSClusterFirstWithHostNet),
+			"containers":  []any{map[string]any{"name": "discovery", "env": env}},
+		}}}}
 	pb, err := json.Marshal(patch)
 	if err != nil {
 		return err

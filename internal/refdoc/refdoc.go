@@ -34,6 +34,10 @@ type Input struct {
 	Values []byte
 	// ValuesPath names values.yaml in the text.
 	ValuesPath string
+	// IstioValues is the chart's table of Istio's istio-cni values (files/istio-cni.yaml;
+	// nil: no such section), IstioValuesPath its name in the text.
+	IstioValues     []byte
+	IstioValuesPath string
 }
 
 // Generate renders the reference.
@@ -49,6 +53,9 @@ func Generate(in Input) ([]byte, error) {
 	}
 	if in.Values != nil {
 		b.WriteString("- [Helm values](#helm-values)\n")
+	}
+	if in.IstioValues != nil {
+		b.WriteString("- [Istio's istio-cni chart values](#istio-istio-cni-chart-values)\n")
 	}
 
 	b.WriteString("\n## Pod settings\n\nRead by the plugin (and `meshcnictl explain`/`inspect`, the repair controller) from the Pod.\n\n")
@@ -86,7 +93,64 @@ func Generate(in Input) ([]byte, error) {
 			fmt.Fprintf(&b, "| `%s` | %s | %s |\n", r.path, code(r.def), cell(r.doc))
 		}
 	}
+	if in.IstioValues != nil {
+		rows, err := istioRows(in.IstioValues)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", in.IstioValuesPath, err)
+		}
+		fmt.Fprintf(&b, "\n## Istio istio-cni chart values\n\nA values file written for Istio's `istio-cni` chart installs meshcni with the same effect: "+
+			"each of its values is mapped onto meshcni's, refused (`helm install` fails with one line naming the value and what to use instead), "+
+			"or accepted with no effect, as `%s` says.\n\n", in.IstioValuesPath)
+		b.WriteString("| Istio value | meshcni |\n|---|---|\n")
+		for _, r := range rows {
+			fmt.Fprintf(&b, "| `%s` | %s |\n", r.path, cell(r.doc))
+		}
+	}
 	return b.Bytes(), nil
+}
+
+// istioEntry is one row of the chart's files/istio-cni.yaml.
+type istioEntry struct {
+	Istio    string `yaml:"istio"`
+	Meshcni  string `yaml:"meshcni"`
+	Accept   []any  `yaml:"accept"`
+	Refuse   string `yaml:"refuse"`
+	NoEffect string `yaml:"noEffect"`
+	Legacy   bool   `yaml:"legacy"`
+}
+
+// istioRows turns the table into rows: the meshcni value it sets, or refused (but for the
+// accepted values), or no effect.
+func istioRows(src []byte) ([]valueRow, error) {
+	var f struct{ Values []istioEntry }
+	if err := yaml.Unmarshal(src, &f); err != nil {
+		return nil, err
+	}
+	var rows []valueRow
+	for _, e := range f.Values {
+		doc := e.Meshcni
+		switch {
+		case e.Refuse != "" && len(e.Accept) > 0:
+			var ok []string
+			for _, a := range e.Accept {
+				y, err := yaml.Marshal(a)
+				if err != nil {
+					return nil, err
+				}
+				ok = append(ok, code(strings.TrimSpace(string(y))))
+			}
+			doc = "refused unless " + strings.Join(ok, " or ") + ": " + e.Refuse
+		case e.Refuse != "":
+			doc = "refused: " + e.Refuse
+		case e.NoEffect != "":
+			doc = "accepted, no effect: " + e.NoEffect
+		}
+		if e.Legacy {
+			doc += " (older Istio versions)"
+		}
+		rows = append(rows, valueRow{path: e.Istio, doc: doc})
+	}
+	return rows, nil
 }
 
 type valueRow struct{ path, def, doc string }

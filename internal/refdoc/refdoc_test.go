@@ -16,6 +16,7 @@ import (
 const (
 	referencePath = "../../docs/reference.md"
 	valuesPath    = "../../deploy/charts/meshcni/values.yaml"
+	istioPath     = "../../deploy/charts/meshcni/files/istio-cni.yaml"
 )
 
 func input(t *testing.T) Input {
@@ -24,13 +25,19 @@ func input(t *testing.T) Input {
 	if err != nil {
 		t.Fatal(err)
 	}
+	istio, err := ReadValues(istioPath)
+	if err != nil {
+		t.Fatal(err)
+	}
 	return Input{
 		Binaries: []Binary{
 			{Name: "meshcni-agent", EnvPrefix: agent.EnvPrefix, Doc: "The node agent (DaemonSet): installs and guards the plugin, serves health and metrics, repairs pods.", Flags: agent.FlagSet()},
 			{Name: "meshcni-taint-controller", EnvPrefix: taint.EnvPrefix, Doc: "The taint controller (Deployment, leader-elected): keeps `cni.istio.io/not-ready:NoSchedule` on nodes whose agent is not Ready.", Flags: taint.FlagSet()},
 		},
-		Values:     values,
-		ValuesPath: "deploy/charts/meshcni/values.yaml",
+		Values:          values,
+		ValuesPath:      "deploy/charts/meshcni/values.yaml",
+		IstioValues:     istio,
+		IstioValuesPath: "deploy/charts/meshcni/files/istio-cni.yaml",
 	}
 }
 

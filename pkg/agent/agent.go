@@ -83,6 +83,7 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 			FileName:       cfg.CNIConfFileName,
 			Chained:        cfg.Chained,
 			StandaloneFile: cfg.StandaloneFileName,
+			NetworkName:    cfg.NetworkName,
 			Entry:          cfg.Entry(),
 		},
 		Binary:            &install.Binary{Src: cfg.PluginBinary, Dst: cfg.PluginPath(), Companions: []string{podget.HelperName}},

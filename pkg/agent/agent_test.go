@@ -261,8 +261,9 @@ func sameDir(got, want map[string]string) error {
 }
 
 type caseOptions struct {
-	Chained  *bool  `json:"chained"`
-	FileName string `json:"file_name"`
+	Chained     *bool  `json:"chained"`
+	FileName    string `json:"file_name"`
+	NetworkName string `json:"network_name"`
 	// UninstallLeaves: lists that do not parse, which uninstall leaves alone; the
 	// plugin's binary and kubeconfig stay for the entry they may hold.
 	UninstallLeaves []string `json:"uninstall_leaves"`
@@ -301,6 +302,9 @@ func caseArgs(t *testing.T, dir string) []string {
 	}
 	if co.FileName != "" {
 		args = append(args, "--cni-conf-file-name", co.FileName)
+	}
+	if co.NetworkName != "" {
+		args = append(args, "--network-name", co.NetworkName)
 	}
 	return args
 }

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -22,6 +23,9 @@ import (
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
+// networkName is a CNI network name as the CNI specification allows it.
+var networkName = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]*$`)
+
 // KubeconfigName is the plugin kubeconfig's file name in the run directory.
 const KubeconfigName = "meshcni-kubeconfig"
 
@@ -32,6 +36,7 @@ type Config struct {
 	CNIConfFileName    string
 	Chained            bool
 	StandaloneFileName string
+	NetworkName        string // the standalone list's network name (what Multus looks up)
 	PluginBinary       string
 	RunDir             string
 	Kubeconfig         string // the agent's own API client; empty: in-cluster
@@ -146,6 +151,7 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 	fs.StringVar(&c.CNIConfFileName, "cni-conf-file-name", "", "primary CNI configuration file to chain into (default: the lexically first valid one, as kubelet picks)")
 	fs.BoolVar(&c.Chained, "chained", true, "inject into the primary CNI configuration; false writes a standalone list (Multus, OpenShift)")
 	fs.StringVar(&c.StandaloneFileName, "standalone-file-name", "meshcni.conflist", "file name of the standalone list in --cni-conf-dir")
+	fs.StringVar(&c.NetworkName, "network-name", "meshcni", "network name of the standalone list, the name Multus finds it by (a NetworkAttachmentDefinition of that name without a config); istio-cni answers the default/istio-cni network Istio's injector requests")
 	fs.StringVar(&c.PluginBinary, "plugin-binary", "/opt/meshcni/bin/meshcni", "meshcni plugin binary to install (its API helper "+podget.HelperName+" is installed from the same directory)")
 	fs.StringVar(&c.RunDir, "run-dir", "/var/run/meshcni", "run directory shared with the plugin: kubeconfig and agent socket")
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig of the agent's own API client (Events, the node's pods); default: the pod's in-cluster service account")
@@ -233,6 +239,9 @@ func (c *Config) validate() error {
 		if ext != ".conf" && ext != ".conflist" && ext != ".json" {
 			return fmt.Errorf("--%s %q: want a .conf, .conflist or .json file", n.flag, n.v)
 		}
+	}
+	if !networkName.MatchString(c.NetworkName) {
+		return fmt.Errorf("--network-name %q: want a CNI network name (a letter or digit, then letters, digits, _ . -)", c.NetworkName)
 	}
 	if !c.Chained && filepath.Ext(c.StandaloneFileName) != ".conflist" {
 		return fmt.Errorf("--standalone-file-name %q: want a .conflist file", c.StandaloneFileName)

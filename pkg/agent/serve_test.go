@@ -262,6 +262,14 @@ func TestParseFlags(t *testing.T) {
 		{name: "bad port", args: []string{"--health-addr", ":99999"}, wantErr: "bad port"},
 		{name: "conf file with path", args: []string{"--cni-conf-file-name", "../x.conflist"}, wantErr: "plain file name"},
 		{name: "conf file ext", args: []string{"--cni-conf-file-name", "x.yaml"}, wantErr: ".conf, .conflist or .json"},
+		{name: "network name", env: map[string]string{"MESHCNI_CHAINED": "false", "MESHCNI_NETWORK_NAME": "istio-cni"},
+			check: func(c *Config) error {
+				if c.NetworkName != "istio-cni" {
+					return fmt.Errorf("network name %q", c.NetworkName)
+				}
+				return nil
+			}},
+		{name: "bad network name", args: []string{"--network-name", "istio cni"}, wantErr: `--network-name "istio cni": want a CNI network name`},
 		{name: "stray argument", args: []string{"install"}, wantErr: "unexpected arguments"},
 		{name: "unknown flag", args: []string{"--nope"}, wantErr: "unknown flag: --nope"},
 		{name: "Go-style single-dash flags", args: []string{"-cni-bin-dir", "/a", "-chained=false", "-keep-on-exit"}, env: map[string]string{"MESHCNI_CNI_BIN_DIR": "/b"},

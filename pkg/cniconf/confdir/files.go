@@ -60,6 +60,9 @@ type Options struct {
 	Chained bool
 	// StandaloneFile is the file name of the standalone list (default meshcni.conflist).
 	StandaloneFile string
+	// NetworkName is the standalone list's network name, the name Multus looks it up by
+	// (default meshcni; istio-cni answers the network Istio's injector asks for).
+	NetworkName string
 	// Entry is meshcni's plugin entry.
 	Entry cniconf.PluginEntry
 }
@@ -284,7 +287,11 @@ func Install(o Options) (Result, error) {
 
 func installStandalone(o Options) (Result, error) {
 	path := o.standalonePath()
-	want, err := cniconf.Standalone(cniconf.PluginType, o.Entry)
+	name := o.NetworkName
+	if name == "" {
+		name = cniconf.PluginType
+	}
+	want, err := cniconf.Standalone(name, o.Entry)
 	if err != nil {
 		return Result{}, err
 	}

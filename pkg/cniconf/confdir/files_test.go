@@ -29,8 +29,9 @@ var testEntry = cniconf.PluginEntry{
 }
 
 type caseOptions struct {
-	Chained  *bool  `json:"chained"`
-	FileName string `json:"file_name"`
+	Chained     *bool  `json:"chained"`
+	FileName    string `json:"file_name"`
+	NetworkName string `json:"network_name"`
 	// UninstallLeaves are lists Uninstall leaves alone and names in an ErrInvalid:
 	// they do not parse, so may hold an entry it cannot see.
 	UninstallLeaves []string `json:"uninstall_leaves"`
@@ -54,6 +55,7 @@ func loadCase(t *testing.T, dir string) (Options, caseOptions) {
 		o.Chained = *co.Chained
 	}
 	o.FileName = co.FileName
+	o.NetworkName = co.NetworkName
 	return o, co
 }
 

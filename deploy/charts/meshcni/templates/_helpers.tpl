@@ -49,8 +49,20 @@ The agent pods' label selector as a string (the taint controller's --agent-selec
 {{- .Values.tag | default .Chart.AppVersion -}}
 {{- end -}}
 
+{{/*
+The image: image when it is a reference (it holds a "/"), {hub}/{image} when it is a name
+with a tag or digest, {hub}/{image}:{tag} for a bare name, else {hub}/meshcni:{tag}.
+*/}}
 {{- define "meshcni.image" -}}
-{{- printf "%s/meshcni:%s" (.Values.hub | trimSuffix "/") (include "meshcni.tag" .) -}}
+{{- $img := .Values.image | default "" -}}
+{{- $hub := .Values.hub | trimSuffix "/" -}}
+{{- if contains "/" $img -}}
+{{- $img -}}
+{{- else if or (contains "@" $img) (contains ":" $img) -}}
+{{- printf "%s/%s" $hub $img -}}
+{{- else -}}
+{{- printf "%s/%s:%s" $hub ($img | default "meshcni") (include "meshcni.tag" .) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "meshcni.agentName" -}}
