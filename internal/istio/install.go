@@ -49,6 +49,10 @@ type Options struct {
 	Timeout time.Duration
 	// SkipMeshcni installs Istio only.
 	SkipMeshcni bool
+	// ExtraValues are values files for istiod's chart, given to helm after Values()
+	// in order (helm merges maps: a file adding an injection template keeps the
+	// others).
+	ExtraValues []string
 }
 
 func (o *Options) defaults() {
@@ -176,8 +180,11 @@ func (r *runner) installIstio(ctx context.Context, b Build) error {
 		return err
 	}
 	defer os.Remove(vf)
-	if _, err := r.runHelm(ctx, "upgrade", "--install", IstiodRelease, b.Chart("istio-discovery"),
-		"--namespace", Namespace, "--values", vf); err != nil {
+	args := []string{"upgrade", "--install", IstiodRelease, b.Chart("istio-discovery"), "--namespace", Namespace, "--values", vf}
+	for _, f := range r.o.ExtraValues {
+		args = append(args, "--values", f)
+	}
+	if _, err := r.runHelm(ctx, args...); err != nil {
 		return err
 	}
 	r.step("helm " + IstiodRelease + " (Istio's istio-discovery chart, pilot.cni.enabled=true)")
