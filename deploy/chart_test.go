@@ -510,19 +510,18 @@ func (c *chart) checkRBAC(t *testing.T) {
 			}
 		}
 	}
-	// The agent's pod verbs follow the repair action: nothing beyond what it does.
+	// The agent's pod verbs follow the repair action and the redirected marker: nothing
+	// beyond what it does.
 	cr := c.find("ClusterRole", "meshcni-agent")
 	if cr == nil {
 		t.Fatal("no ClusterRole meshcni-agent")
 	}
 	want := []string{"list", "watch"}
-	if c.agentC.Repair {
-		switch c.agentC.RepairAction {
-		case repair.ActionDelete:
-			want = append(want, "delete")
-		case repair.ActionLabel:
-			want = append(want, "patch")
-		}
+	if c.agentC.Repair && c.agentC.RepairAction == repair.ActionDelete {
+		want = append(want, "delete")
+	}
+	if c.agentC.MarkRedirected || c.agentC.Repair && c.agentC.RepairAction == repair.ActionLabel {
+		want = append(want, "patch")
 	}
 	sort.Strings(want)
 	if got := podVerbs(typed[rbacv1.ClusterRole](t, cr)); !slices.Equal(got, want) {

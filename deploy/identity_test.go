@@ -406,7 +406,8 @@ func TestPluginIdentity(t *testing.T) {
 
 // TestAdmissionFencing: the chart's ValidatingAdmissionPolicies. Each attack runs first
 // without them (admitted), then with them (denied with the policy's message); what the
-// repair and taint controllers really send is admitted.
+// repair and taint controllers and the agent's redirected marker really send is
+// admitted.
 func TestAdmissionFencing(t *testing.T) {
 	e := newIDEnv(t)
 	ctx := e.ctx
@@ -467,6 +468,23 @@ func TestAdmissionFencing(t *testing.T) {
 			t.Errorf("victim-a labels %v (%v)", p.Labels, err)
 		}
 		allowed(t, "the same label again", patchPod(ctx, agentCS, victimA, labelPatch(t, key, victimA.UID), false))
+
+		// The redirected marker (pkg/agent marker.go MarkPatch, byte for byte).
+		denied(t, "the marker on a pod of another node", patchPod(ctx, agentCS, victimB, agent.MarkPatch(victimB.UID), false),
+			"may change or delete only pods of its own node", "is on node "+nodeB)
+		denied(t, "the marker with another value", patchPod(ctx, agentCS, victimA, mergePatch(t, map[string]any{"metadata": map[string]any{"labels": map[string]string{agent.RedirectedLabel: "false"}}}), false),
+			"may change only the label "+key+" and "+agent.RedirectedLabel)
+		denied(t, "the marker and another label", patchPod(ctx, agentCS, victimA, mergePatch(t, map[string]any{"metadata": map[string]any{"labels": map[string]string{agent.RedirectedLabel: agent.RedirectedValue, "app": "owned"}}}), false),
+			"may change only the label")
+		denied(t, "the marker and an annotation", patchPod(ctx, agentCS, victimA, mergePatch(t, map[string]any{"metadata": map[string]any{"labels": map[string]string{agent.RedirectedLabel: agent.RedirectedValue}, "annotations": map[string]string{"x": "y"}}}), false),
+			"may change only the label")
+		allowed(t, "the marker on its own node", patchPod(ctx, agentCS, victimA, agent.MarkPatch(victimA.UID), false))
+		p, err = e.admin.CoreV1().Pods(victimNS).Get(ctx, victimA.Name, metav1.GetOptions{})
+		if err != nil || p.Labels[agent.RedirectedLabel] != agent.RedirectedValue || p.Labels[key] != repair.LabelValue || p.Labels["app"] != "victim" {
+			t.Errorf("victim-a labels %v (%v)", p.Labels, err)
+		}
+		allowed(t, "the marker again", patchPod(ctx, agentCS, victimA, agent.MarkPatch(victimA.UID), false))
+		denied(t, "another label still, with the marker set", patchPod(ctx, agentCS, victimA, otherLabel, false), "may change only the label")
 		allowed(t, "an administrator is not fenced", patchPod(ctx, e.admin, victimB, otherLabel, true))
 	})
 
@@ -487,6 +505,7 @@ func TestAdmissionFencing(t *testing.T) {
 		}); err != nil {
 			t.Fatal(err)
 		}
+		allowed(t, "the marker with repair action delete", patchPod(ctx, agentCS, victimA, agent.MarkPatch(victimA.UID), true))
 		allowed(t, "delete a pod on its own node", del(agentCS, victimA))
 	})
 

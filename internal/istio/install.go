@@ -52,6 +52,10 @@ type Options struct {
 	// ExtraValues are merged over Values() for the istiod chart (maps merged key by
 	// key, anything else replaced), e.g. {"pilot": {"taint": {"enabled": true}}}.
 	ExtraValues map[string]any
+	// ValuesFiles are values files for istiod's chart, given to helm after the
+	// values above, in order (helm merges maps: a file adding an injection template
+	// keeps the others).
+	ValuesFiles []string
 }
 
 func (o *Options) defaults() {
@@ -192,8 +196,11 @@ func (r *runner) installIstio(ctx context.Context, b Build) error {
 		return err
 	}
 	defer os.Remove(vf)
-	if _, err := r.runHelm(ctx, "upgrade", "--install", IstiodRelease, b.Chart("istio-discovery"),
-		"--namespace", Namespace, "--values", vf); err != nil {
+	args := []string{"upgrade", "--install", IstiodRelease, b.Chart("istio-discovery"), "--namespace", Namespace, "--values", vf}
+	for _, f := range r.o.ValuesFiles {
+		args = append(args, "--values", f)
+	}
+	if _, err := r.runHelm(ctx, args...); err != nil {
 		return err
 	}
 	r.step("helm " + IstiodRelease + " (Istio's istio-discovery chart, pilot.cni.enabled=true)")

@@ -23,6 +23,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/nodepods"
 	"github.com/meshcni/meshcni/pkg/podget"
+	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // Runnable is one long-running part of the agent. Run blocks until ctx ends (nil) or
@@ -113,8 +114,29 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 		a.Pods = pods
 		a.Socket.Pods = pods
 		a.runnables = append(a.runnables, pods)
+		if err := a.addMarker(opts.Kube, pods); err != nil {
+			return nil, err
+		}
 	}
 	return a, nil
+}
+
+// addMarker adds the redirected marker (--mark-redirected), fed by the socket's
+// command results.
+func (a *Agent) addMarker(k *Kube, pods PodSource) error {
+	cfg := a.Config
+	if !cfg.MarkRedirected {
+		a.Log.Info("redirected marker off (--mark-redirected=false)")
+		return nil
+	}
+	mesh := podspec.Config{ExcludeNamespaces: cfg.ExcludeNamespaces, AgentNamespace: cfg.PodNamespace, IPv6: cfg.IPv6}
+	mk, err := NewMarker(k.Client, pods, mesh, a.Log.With("component", "marker"), a.Metrics.Registry)
+	if err != nil {
+		return err
+	}
+	a.Socket.OnResult = mk.Observe
+	a.runnables = append(a.runnables, mk)
+	return nil
 }
 
 // Add adds a part to run with the others; call it before Run.

@@ -63,6 +63,8 @@ type Config struct {
 	PodName               string
 	PodNamespace          string
 	NodeName              string
+	// MarkRedirected labels pods the plugin redirected (Marker).
+	MarkRedirected bool
 
 	// The repair controller's settings (flags and checks in repair.go).
 	Repair              bool
@@ -178,6 +180,7 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 	fs.StringVar(&c.PodName, "pod-name", "", "the agent's pod (downward API), for Kubernetes Events")
 	fs.StringVar(&c.PodNamespace, "pod-namespace", "", "the agent's pod namespace (downward API)")
 	fs.StringVar(&c.NodeName, "node-name", "", "the node's name (downward API)")
+	fs.BoolVar(&c.MarkRedirected, "mark-redirected", true, "label each pod the plugin redirected "+RedirectedLabel+"="+RedirectedValue+" (one patch per meshed pod start, after its ADD; needs API access and --node-name)")
 	finishRepair := c.repairFlags(fs)
 	return fs, func() error {
 		if err := c.LogLevel.UnmarshalText([]byte(logLevel)); err != nil {

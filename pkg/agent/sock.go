@@ -15,12 +15,16 @@ import (
 // socket: records are logged with the pod's name and namespace, results feed metrics.
 // It answers the plugin's pod lookups (agentsock.RequestPod) from Pods, the node's
 // pod cache (nil: every lookup is a miss and the plugin asks the API server), and
-// closes the descriptors the plugin hands over (agentsock.KindRelease).
+// closes the descriptors the plugin hands over (agentsock.KindRelease). OnResult sees
+// each command result (the redirected marker).
 type SocketServer struct {
 	Path    string
 	Log     *slog.Logger
 	Metrics *Metrics
 	Pods    PodSource
+	// OnResult, when set, gets every command result after the metrics (Marker.Observe);
+	// it must not block.
+	OnResult func(*agentsock.CommandResult)
 }
 
 // Name implements Runnable.
@@ -41,6 +45,9 @@ func (s *SocketServer) Run(ctx context.Context) error {
 		},
 		OnCommand: func(r *agentsock.CommandResult) {
 			s.Metrics.ObserveCommand(r)
+			if s.OnResult != nil {
+				s.OnResult(r)
+			}
 			args := []any{"command", r.Command, "result", r.Result, "duration_seconds", r.Seconds,
 				"pod_namespace", r.Pod.Namespace, "pod_name", r.Pod.Name}
 			if r.ErrorMsg != "" {

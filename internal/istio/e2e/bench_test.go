@@ -22,7 +22,7 @@ import (
 const benchNamespace = "istio-bench"
 
 // startArm is one way of meshing the benchmark's pod: the pod as Istio's injector
-// rendered it, and its init container.
+// rendered it, and its init container ("" for none but the istio-proxy sidecar).
 type startArm struct {
 	name, init string
 	pod        *corev1.Pod
@@ -32,26 +32,30 @@ type startArm struct {
 }
 
 // BenchmarkPodStart measures pod start (create → Ready) of a meshed pod under the
-// real Istio with meshcni's redirect (the injector's CNI mode: istio-validation) and
-// with Istio's privileged istio-init (non-CNI mode: pilot-agent istio-iptables
-// writes the rules as root with NET_ADMIN/NET_RAW, using the iptables in the proxyv2
-// image), on the same node and istiod, interleaved: each round starts one pod of each
-// arm, one at a time, the first arm alternating between rounds; every pod is deleted
-// (and gone) before the next one is created. b.N is the number of pods per arm
-// (-benchtime 20x for the documented figure). Both arms are injected by Istio's
-// injector offline (Inject: istioctl kube-inject with istiod's own ConfigMaps; only
-// pilot.cni.enabled differs) and created in a namespace without istio-injection,
-// so the admission webhook, the same for both in production, is not in the figure.
-// A warm-up pair, not measured, proves both arms: what was injected, init exit 0,
-// and TCP between them captured by each pod's proxy on 15001 and 15006.
+// real Istio in three arms: meshcni's redirect with the injector's CNI mode
+// (istio-validation), meshcni's redirect validation-free (the CNI mode plus the
+// shipped meshcni-validation-free template: no init container but the istio-proxy
+// sidecar), and Istio's privileged istio-init (non-CNI mode: pilot-agent
+// istio-iptables writes the rules as root with NET_ADMIN/NET_RAW, using the iptables
+// in the proxyv2 image), on the same node and istiod, interleaved: each round starts
+// one pod of each arm, one at a time, the first arm rotating between rounds; every
+// pod is deleted (and gone) before the next one is created. b.N is the number of pods
+// per arm (-benchtime 20x for the documented figure). All arms are injected by
+// Istio's injector offline (Inject: istioctl kube-inject with istiod's own
+// ConfigMaps; pilot.cni.enabled and the templates differ) and created in a namespace
+// without istio-injection, so the admission webhook, the same for all in
+// production, is not in the figure. A warm-up round, not measured, proves the arms:
+// what was injected, init exit 0, and TCP from each pod to the next captured by the
+// sender's proxy on 15001 and the receiver's on 15006.
 //
 // Times are taken by the client, from just before the Create call to the first
 // watch event showing the pod's istio-proxy running (sandbox with the CNI chain,
 // the init container, the sidecar's start: where the arms differ, before the
 // kubelet's probes, which run on a 1 s period) and to the one showing the pod
 // Ready. Reported: p50 and p90 of both per arm in ms, the ratios meshcni /
-// istio-init, and the p50 of each init container's run (its log's first to last
-// timestamp, as the container runtime recorded them).
+// istio-init and validation-free / meshcni, the saving of validation-free against
+// meshcni with istio-validation in ms, and the p50 of each init container's run (its
+// log's first to last timestamp, as the container runtime recorded them).
 func BenchmarkPodStart(b *testing.B) {
 	testutil.RequireRoot(b)
 	testutil.RequireBinary(b, "go")
@@ -82,8 +86,8 @@ func BenchmarkPodStart(b *testing.B) {
 	report(b, inst.Build, arms)
 }
 
-// injectArms renders the benchmark pod in both of the injector's modes and checks
-// what each rendered.
+// injectArms renders the benchmark pod in the three arms and checks what each
+// rendered.
 func injectArms(ctx context.Context, b *testing.B, tb *testbed.Testbed, build istio.Build) []*startArm {
 	d := istio.Deployment(benchNamespace, "bench")
 	base := &corev1.Pod{
@@ -94,9 +98,14 @@ func injectArms(ctx context.Context, b *testing.B, tb *testbed.Testbed, build is
 			Annotations: map[string]string{"sidecar.istio.io/nativeSidecar": "true"}},
 		Spec: d.Spec.Template.Spec,
 	}
-	arms := []*startArm{{name: "meshcni", init: "istio-validation"}, {name: "istio-init", init: "istio-init"}}
+	arms := []*startArm{{name: "meshcni", init: "istio-validation"}, {name: armValidationFree}, {name: "istio-init", init: "istio-init"}}
 	for _, a := range arms {
-		p, err := istio.Inject(ctx, tb, build, base, a.name == "meshcni")
+		in := base
+		if a.name == armValidationFree {
+			in = base.DeepCopy()
+			in.Annotations[istio.AnnotationTemplates] = validationFreeTemplates
+		}
+		p, err := istio.Inject(ctx, tb, build, in, a.name != "istio-init")
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -104,6 +113,13 @@ func injectArms(ctx context.Context, b *testing.B, tb *testbed.Testbed, build is
 		var inits []string
 		for _, c := range p.Spec.InitContainers {
 			inits = append(inits, c.Name)
+		}
+		if a.init == "" {
+			if !slices.Equal(inits, []string{istio.ProxyContainer}) {
+				b.Fatalf("%s: the injector rendered init containers %q; want only %s", a.name, inits, istio.ProxyContainer)
+			}
+			b.Logf("%s: init containers %q", a.name, inits)
+			continue
 		}
 		if !slices.Contains(inits, a.init) || !slices.Contains(inits, istio.ProxyContainer) || len(inits) != 2 {
 			b.Fatalf("%s: the injector rendered init containers %q; want %s and %s", a.name, inits, a.init, istio.ProxyContainer)
@@ -129,8 +145,8 @@ func benchContainer(p *corev1.Pod, name string) *corev1.Container {
 }
 
 // warmUp starts one pod of each arm (not measured), checks that each init container
-// exited 0 and that TCP from either pod to the other is captured by the sender's
-// proxy on 15001 and the receiver's on 15006, then deletes them.
+// exited 0 and that TCP from each pod to the next is captured by the sender's proxy
+// on 15001 and the receiver's on 15006, then deletes them.
 func warmUp(ctx context.Context, b *testing.B, tb *testbed.Testbed, arms []*startArm) {
 	pods := make([]*corev1.Pod, len(arms))
 	for i, a := range arms {
@@ -138,12 +154,13 @@ func warmUp(ctx context.Context, b *testing.B, tb *testbed.Testbed, arms []*star
 		if err != nil {
 			b.Fatal(err)
 		}
-		if code := initExit(p, a.init); code != 0 {
+		if code := initExit(p, a.init); a.init != "" && code != 0 {
 			b.Fatalf("%s: %s exit code %d, want 0", p.Name, a.init, code)
 		}
 		pods[i] = p
 	}
-	for _, pair := range [][2]*corev1.Pod{{pods[0], pods[1]}, {pods[1], pods[0]}} {
+	for i := range pods {
+		pair := [2]*corev1.Pod{pods[i], pods[(i+1)%len(pods)]}
 		app := &istio.App{Namespace: benchNamespace, Client: pair[0], Server: pair[1]}
 		tr, err := app.Probe(ctx, tb)
 		if err != nil {
@@ -168,10 +185,12 @@ func runPod(ctx context.Context, b *testing.B, tb *testbed.Testbed, a *startArm,
 		b.Fatal(err)
 	}
 	a.ready, a.proxyUp = append(a.ready, t.ready), append(a.proxyUp, t.proxyUp)
-	if run, err := initRun(ctx, tb, p, a.init); err == nil {
-		a.initRun = append(a.initRun, run)
-	} else {
-		b.Logf("%s: %v", name, err)
+	if a.init != "" {
+		if run, err := initRun(ctx, tb, p, a.init); err == nil {
+			a.initRun = append(a.initRun, run)
+		} else {
+			b.Logf("%s: %v", name, err)
+		}
 	}
 	if err := tb.DeletePod(ctx, p.Namespace, p.Name); err != nil {
 		b.Fatal(err)
@@ -277,6 +296,18 @@ func percentile(ds []time.Duration, p float64) time.Duration {
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
+// armValidationFree is the arm injected with the validation-free template.
+const armValidationFree = "validation-free"
+
+func armNamed(arms []*startArm, name string) *startArm {
+	for _, a := range arms {
+		if a.name == name {
+			return a
+		}
+	}
+	return nil
+}
+
 // report prints the table and reports the metrics.
 func report(b *testing.B, build istio.Build, arms []*startArm) {
 	var t strings.Builder
@@ -289,7 +320,11 @@ func report(b *testing.B, build istio.Build, arms []*startArm) {
 			run = fmt.Sprintf("%.0f ms", ms(percentile(a.initRun, 0.5)))
 			b.ReportMetric(ms(percentile(a.initRun, 0.5)), a.name+"-init-run-p50-ms")
 		}
-		fmt.Fprintf(&t, "| %s | %s |", a.name, a.init)
+		init := a.init
+		if init == "" {
+			init = "none"
+		}
+		fmt.Fprintf(&t, "| %s | %s |", a.name, init)
 		for _, m := range []struct {
 			ds   []time.Duration
 			unit string
@@ -302,14 +337,17 @@ func report(b *testing.B, build istio.Build, arms []*startArm) {
 		}
 		fmt.Fprintf(&t, " %s |\n", run)
 	}
+	mc, vf, ii := armNamed(arms, "meshcni"), armNamed(arms, armValidationFree), armNamed(arms, "istio-init")
 	for _, m := range []struct {
 		name string
 		of   func(*startArm) []time.Duration
 	}{{"proxy-up", func(a *startArm) []time.Duration { return a.proxyUp }}, {"ready", func(a *startArm) []time.Duration { return a.ready }}} {
 		for _, q := range []float64{0.5, 0.9} {
-			r := ms(percentile(m.of(arms[0]), q)) / ms(percentile(m.of(arms[1]), q))
-			fmt.Fprintf(&t, "ratio meshcni / istio-init, %s p%.0f: %.2f\n", m.name, q*100, r)
-			b.ReportMetric(r, fmt.Sprintf("ratio-%s-p%.0f", m.name, q*100))
+			m0, v0, i0 := ms(percentile(m.of(mc), q)), ms(percentile(m.of(vf), q)), ms(percentile(m.of(ii), q))
+			fmt.Fprintf(&t, "%s p%.0f: meshcni / istio-init %.2f, validation-free / meshcni %.2f, validation-free saves %.0f ms\n", m.name, q*100, m0/i0, v0/m0, m0-v0)
+			b.ReportMetric(m0/i0, fmt.Sprintf("ratio-%s-p%.0f", m.name, q*100))
+			b.ReportMetric(v0/m0, fmt.Sprintf("vf-ratio-%s-p%.0f", m.name, q*100))
+			b.ReportMetric(m0-v0, fmt.Sprintf("vf-saving-%s-p%.0f-ms", m.name, q*100))
 		}
 	}
 	b.Log("\n" + t.String())

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -62,7 +63,7 @@ func up(t testing.TB) *testbed.Testbed {
 			return
 		}
 		began := time.Now()
-		upInst, upErr = istio.Up(ctx, tb, istio.Options{RepoRoot: upRoot})
+		upInst, upErr = istio.Up(ctx, tb, sharedOptions())
 		upTook = time.Since(began)
 		if upInst != nil {
 			for _, s := range upInst.Steps {
@@ -87,4 +88,18 @@ func useNamespace(t *testing.T, tb *testbed.Testbed, ns string) {
 			t.Error(err)
 		}
 	})
+}
+
+// sharedOptions are the options of the package's one Istio install: Istio's charts
+// with the validation-free injection template added to istiod's values, and meshcni.
+// A test that reinstalls istiod differently restores it with these.
+func sharedOptions() istio.Options {
+	return istio.Options{RepoRoot: upRoot, ValuesFiles: []string{filepath.Join(upRoot, validationFreeValues)}}
+}
+
+// withTaint is o installing Istio only, with extra istiod values.
+func withTaint(o istio.Options, values map[string]any) istio.Options {
+	o.SkipMeshcni = true
+	o.ExtraValues = values
+	return o
 }

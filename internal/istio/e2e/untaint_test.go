@@ -58,12 +58,12 @@ func TestIstiodUntaintsMeshcniNode(t *testing.T) {
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 		defer cancel()
-		if _, err := istio.Up(ctx, tb, istio.Options{RepoRoot: upRoot}); err != nil {
+		if _, err := istio.Up(ctx, tb, sharedOptions()); err != nil {
 			t.Errorf("restore istiod and meshcni: %v", err)
 		}
 	})
 	t.Cleanup(func() { setTaint(t, tb, false) })
-	if _, err := istio.Up(ctx, tb, istio.Options{RepoRoot: upRoot, SkipMeshcni: true, ExtraValues: taintValues}); err != nil {
+	if _, err := istio.Up(ctx, tb, withTaint(sharedOptions(), taintValues)); err != nil {
 		t.Fatalf("istiod with pilot.taint.enabled: %v", err)
 	}
 	// meshcni without its own taint controller, no label yet.
