@@ -13,6 +13,7 @@ import (
 	"github.com/spf13/pflag"
 	"k8s.io/apimachinery/pkg/util/validation"
 
+	"github.com/meshcni/meshcni/pkg/audit"
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/install"
@@ -67,6 +68,13 @@ type Config struct {
 	RepairExitCode      int
 	RepairMessage       string
 	RepairNetnsDirs     []string
+
+	// The audit's settings (flags and checks in audit.go).
+	AuditPeriod            time.Duration
+	AuditAction            audit.Action
+	AuditEscapedAction     audit.Action
+	AuditConcurrency       int
+	AuditFollowAnnotations bool
 }
 
 // DefaultPluginServiceAccount is the plugin's ServiceAccount of the chart's release
@@ -170,6 +178,7 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 	fs.StringVar(&c.PodNamespace, "pod-namespace", "", "the agent's pod namespace (downward API)")
 	fs.StringVar(&c.NodeName, "node-name", "", "the node's name (downward API)")
 	finishRepair := c.repairFlags(fs)
+	finishAudit := c.auditFlags(fs)
 	return fs, func() error {
 		if err := c.LogLevel.UnmarshalText([]byte(logLevel)); err != nil {
 			return fmt.Errorf("--log-level %q: want debug, info, warn or error", logLevel)
@@ -188,7 +197,10 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 				c.ExcludeNamespaces = append(c.ExcludeNamespaces, ns)
 			}
 		}
-		return finishRepair()
+		if err := finishRepair(); err != nil {
+			return err
+		}
+		return finishAudit()
 	}
 }
 

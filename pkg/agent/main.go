@@ -46,6 +46,10 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) int {
 		log.Error("cannot start", "err", err)
 		return 2
 	}
+	if err := a.AddAudit(opts.Kube); err != nil {
+		log.Error("cannot start", "err", err)
+		return 2
+	}
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer cancel()
 	if err := a.Run(ctx); err != nil {

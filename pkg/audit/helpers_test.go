@@ -134,3 +134,7 @@ func hasEvent(evs []string, reason string, parts ...string) bool {
 	}
 	return false
 }
+
+func testutilToFloat(m *audit.Metrics, stage string) float64 {
+	return testutil.ToFloat64(m.Errors.WithLabelValues(stage))
+}

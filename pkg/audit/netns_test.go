@@ -150,7 +150,7 @@ var drifts = []struct {
 	}},
 }
 
-func newAuditor(t *testing.T, p *pods, n *netnsByName, mut func(*audit.Options)) (*audit.Auditor, *record.FakeRecorder, *audit.Metrics) {
+func newAuditor(t testing.TB, p *pods, n *netnsByName, mut func(*audit.Options)) (*audit.Auditor, *record.FakeRecorder, *audit.Metrics) {
 	t.Helper()
 	rec := record.NewFakeRecorder(1000)
 	m, err := audit.NewMetrics(nil)

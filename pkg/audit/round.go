@@ -167,6 +167,11 @@ func (a *Auditor) triggered(ctx context.Context) {
 // Pod audits one pod: its spec, its namespace (entered once), the check, and the
 // action on drift.
 func (a *Auditor) Pod(ctx context.Context, pod *corev1.Pod) Result {
+	cur, ok := a.o.Pods.Get(pod.Namespace, pod.Name) // deleted or changed since listed?
+	if !ok || cur.UID != pod.UID {
+		return Skipped
+	}
+	pod = cur
 	if ok, _ := Audited(pod, a.o.Node, a.o.Mesh); !ok {
 		return Skipped
 	}
