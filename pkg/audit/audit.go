@@ -165,6 +165,8 @@ type podState struct {
 	// path and ino: where the pod's namespace was found, and its inode.
 	path string
 	ino  uint64
+	// kind: the backend found holding the pod's redirect (checked without probing).
+	kind backend.Kind
 	// gone: the namespace was not found; skipped until the containers start again.
 	gone bool
 	// reported: the last finding reported (report mode: not repeated each round);

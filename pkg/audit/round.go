@@ -15,6 +15,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
@@ -200,6 +201,9 @@ func (a *Auditor) Pod(ctx context.Context, pod *corev1.Pod) Result {
 	}
 	defer h.Close()
 	o := engine.Options{Backend: a.o.Backend, NetnsPath: h.NetnsPath(), Logger: log}
+	if (o.Backend == "" || o.Backend == backend.Auto) && st.kind != "" {
+		o.Backend = st.kind // the backend that holds the pod's redirect: no probe
+	}
 	rep, err := a.o.Check(ctx, o, target)
 	if err != nil {
 		return a.fail(log, st, "check", err)
@@ -209,7 +213,7 @@ func (a *Auditor) Pod(ctx context.Context, pod *corev1.Pod) Result {
 		return a.follow(ctx, pod, st, o, want, rep, h.Path, log)
 	}
 	if rep.Empty() {
-		st.reported = ""
+		st.reported, st.kind = "", rep.Backend
 		if st.hash == "" {
 			st.spec, st.hash = target, Hash(target)
 		}
