@@ -154,6 +154,7 @@ type Auditor struct {
 	mu      sync.Mutex
 	pods    map[types.UID]*podState
 	trigger chan string
+	sem     chan struct{} // Concurrency slots, shared by rounds and triggers
 }
 
 // podState is what the audit knows of one pod (by UID).
@@ -223,7 +224,7 @@ func New(o Options) (*Auditor, error) {
 		}
 		o.Metrics = m
 	}
-	return &Auditor{o: o, pods: map[types.UID]*podState{}, trigger: make(chan string, 1024)}, nil
+	return &Auditor{o: o, pods: map[types.UID]*podState{}, trigger: make(chan string, 1024), sem: make(chan struct{}, o.Concurrency)}, nil
 }
 
 // Name implements the agent's Runnable.

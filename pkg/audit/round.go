@@ -53,7 +53,7 @@ func (a *Auditor) round(ctx context.Context, spread time.Duration) Stats {
 		mu    sync.Mutex
 		stats = Stats{}
 		wg    sync.WaitGroup
-		sem   = make(chan struct{}, a.o.Concurrency)
+		sem   = a.sem
 	)
 	step := time.Duration(0)
 	if len(pods) > 0 {
@@ -63,11 +63,7 @@ func (a *Auditor) round(ctx context.Context, spread time.Duration) Stats {
 		if i > 0 && step > 0 && !sleep(ctx, step) {
 			break
 		}
-		select {
-		case sem <- struct{}{}:
-		case <-ctx.Done():
-		}
-		if ctx.Err() != nil {
+		if !acquire(ctx, sem) {
 			break
 		}
 		wg.Add(1)
@@ -83,6 +79,16 @@ func (a *Auditor) round(ctx context.Context, spread time.Duration) Stats {
 	wg.Wait()
 	a.o.Metrics.Rounds.Inc()
 	return stats
+}
+
+// acquire takes a slot of sem, unless ctx ends first (false: no slot taken).
+func acquire(ctx context.Context, sem chan struct{}) bool {
+	select {
+	case sem <- struct{}{}:
+		return true
+	case <-ctx.Done():
+		return false
+	}
 }
 
 func sleep(ctx context.Context, d time.Duration) bool {
@@ -149,8 +155,8 @@ func (a *Auditor) logRound(s Stats) {
 	a.o.Log.Debug(LogRound, args...)
 }
 
-// triggered audits the pods whose containers started, one at a time (rounds use
-// the rest of the concurrency).
+// triggered audits the pods whose containers started, one at a time, within the
+// concurrency rounds share.
 func (a *Auditor) triggered(ctx context.Context) {
 	for {
 		select {
@@ -158,9 +164,15 @@ func (a *Auditor) triggered(ctx context.Context) {
 			return
 		case key := <-a.trigger:
 			ns, name, _ := strings.Cut(key, "/")
-			if pod, ok := a.o.Pods.Get(ns, name); ok {
-				a.Pod(ctx, pod)
+			pod, ok := a.o.Pods.Get(ns, name)
+			if !ok {
+				continue
 			}
+			if !acquire(ctx, a.sem) {
+				return
+			}
+			a.Pod(ctx, pod)
+			<-a.sem
 		}
 	}
 }
