@@ -296,9 +296,10 @@ func (c *chart) checkAgent(t *testing.T) {
 	// SYS_PTRACE only where it is used: finding pods' netns through the host's /proc.
 	if sc := ct.SecurityContext; sc != nil && sc.Capabilities != nil {
 		ptrace := slices.Contains(sc.Capabilities.Add, corev1.Capability("SYS_PTRACE"))
-		if usesProc := ps.HostPID && cfg.Repair && cfg.RepairAction == repair.ActionRepair; ptrace != usesProc {
-			t.Errorf("agent SYS_PTRACE %v, hostPID %v, repair %v %s: want SYS_PTRACE exactly with repair in place through the host's /proc",
-				ptrace, ps.HostPID, cfg.Repair, cfg.RepairAction)
+		entersNetns := (cfg.Repair && cfg.RepairAction == repair.ActionRepair) || cfg.AuditPeriod > 0
+		if usesProc := ps.HostPID && entersNetns; ptrace != usesProc {
+			t.Errorf("agent SYS_PTRACE %v, hostPID %v, repair %v %s, audit period %s: want SYS_PTRACE exactly where repair in place or the audit finds netns through the host's /proc",
+				ptrace, ps.HostPID, cfg.Repair, cfg.RepairAction, cfg.AuditPeriod)
 		}
 	}
 	// keepOnUpgrade auto: the agent names its DaemonSet, and may read it (and nothing more).

@@ -119,8 +119,14 @@ func matrix() []matrixCase {
 			}
 		}},
 		{name: "repair-delete", values: []string{"repair.action=delete"}, check: func(t *testing.T, c *chart) {
-			if c.agentC.RepairAction != repair.ActionDelete || mountPaths(c)["/var/run/netns"] {
-				t.Errorf("action %s, mounts %v (netns dirs are for repair in place only)", c.agentC.RepairAction, mountPaths(c))
+			// The audit (on by default) still enters pods' network namespaces.
+			if c.agentC.RepairAction != repair.ActionDelete || !mountPaths(c)["/var/run/netns"] {
+				t.Errorf("action %s, mounts %v (netns dirs are for the audit too)", c.agentC.RepairAction, mountPaths(c))
+			}
+		}},
+		{name: "repair-delete-audit-off", values: []string{"repair.action=delete", "audit.period=0s"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.RepairAction != repair.ActionDelete || c.agentC.AuditPeriod != 0 || mountPaths(c)["/var/run/netns"] {
+				t.Errorf("action %s, audit period %s, mounts %v (netns dirs only for repair in place or the audit)", c.agentC.RepairAction, c.agentC.AuditPeriod, mountPaths(c))
 			}
 		}},
 		{name: "repair-label", values: []string{"repair.action=label", "repair.labelKey=example.com/broken", `repair.labelSelector=app in (a\,b)`, "repair.fieldSelector=metadata.namespace!=batch"}, check: func(t *testing.T, c *chart) {
@@ -137,7 +143,7 @@ func matrix() []matrixCase {
 				t.Errorf("agent capabilities %+v, want SYS_PTRACE added for repair.hostProc", caps)
 			}
 		}},
-		{name: "repair-off", values: []string{"repair.enabled=false", "repair.hostProc=true"}, check: func(t *testing.T, c *chart) {
+		{name: "repair-off", values: []string{"repair.enabled=false", "repair.hostProc=true", "audit.period=0s"}, check: func(t *testing.T, c *chart) {
 			if c.agentC.Repair || c.agent.Spec.Template.Spec.HostPID || mountPaths(c)["/var/run/netns"] {
 				t.Errorf("repair %v, hostPID %v, mounts %v", c.agentC.Repair, c.agent.Spec.Template.Spec.HostPID, mountPaths(c))
 			}

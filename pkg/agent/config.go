@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/pflag"
 	"k8s.io/apimachinery/pkg/util/validation"
 
+	"github.com/meshcni/meshcni/pkg/audit"
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/install"
@@ -76,6 +77,13 @@ type Config struct {
 	RepairExitCode      int
 	RepairMessage       string
 	RepairNetnsDirs     []string
+
+	// The audit's settings (flags and checks in audit.go).
+	AuditPeriod            time.Duration
+	AuditAction            audit.Action
+	AuditEscapedAction     audit.Action
+	AuditConcurrency       int
+	AuditFollowAnnotations bool
 }
 
 // DefaultPluginServiceAccount is the plugin's ServiceAccount of the chart's release
@@ -182,6 +190,7 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 	fs.StringVar(&c.NodeName, "node-name", "", "the node's name (downward API)")
 	fs.BoolVar(&c.MarkRedirected, "mark-redirected", true, "label each pod the plugin redirected "+RedirectedLabel+"="+RedirectedValue+" (one patch per meshed pod start, after its ADD; needs API access and --node-name)")
 	finishRepair := c.repairFlags(fs)
+	finishAudit := c.auditFlags(fs)
 	return fs, func() error {
 		if err := c.LogLevel.UnmarshalText([]byte(logLevel)); err != nil {
 			return fmt.Errorf("--log-level %q: want debug, info, warn or error", logLevel)
@@ -203,7 +212,10 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 				c.ExcludeNamespaces = append(c.ExcludeNamespaces, ns)
 			}
 		}
-		return finishRepair()
+		if err := finishRepair(); err != nil {
+			return err
+		}
+		return finishAudit()
 	}
 }
 

@@ -54,6 +54,10 @@ func MainVersion(version string, args []string, getenv func(string) string, stde
 		log.Error("cannot start", "err", err)
 		return 2
 	}
+	if err := a.AddAudit(opts.Kube); err != nil {
+		log.Error("cannot start", "err", err)
+		return 2
+	}
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer cancel()
 	if err := a.Run(ctx); err != nil {

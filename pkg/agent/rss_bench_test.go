@@ -365,6 +365,7 @@ func BenchmarkAgentRSS(b *testing.B) {
 		{"no-api", agenttest.Options{NoKubeconfig: true, NodeName: rssAgentNode}, ""},
 		{"api-0-pods", agenttest.Options{NodeName: rssEmptyNode}, ""},
 		{"api-110-pods", agenttest.Options{NodeName: rssAgentNode}, rssPodName(rssAgentNode, rssPerNode-1)},
+		{"api-110-pods-audit-off", agenttest.Options{NodeName: rssAgentNode, Args: []string{"--audit-period=0"}}, rssPodName(rssAgentNode, rssPerNode-1)},
 		{"api-1000-pods", agenttest.Options{NodeName: rssDenseNode}, rssPodName(rssDenseNode, rssDensePods-1)},
 	}
 	results := map[string][]rssSample{}

@@ -73,26 +73,11 @@ func Apply(ctx context.Context, o Options, s *spec.Spec) (backend.Kind, error) {
 	return b.Kind(), nil
 }
 
-// Check compares the namespace's live redirect with the spec's.
+// Check compares the namespace's live redirect with the spec's (CheckReport
+// without the classification).
 func Check(ctx context.Context, o Options, s *spec.Spec) (backend.Drift, error) {
-	if err := s.Validate(); err != nil {
-		return backend.Drift{}, fmt.Errorf("invalid redirect spec: %w", err)
-	}
-	rs := rules.Build(s)
-	b, _, err := Select(ctx, o.Backend, o.NetnsPath)
-	if err != nil {
-		return backend.Drift{}, err
-	}
-	d, err := b.Check(ctx, o.NetnsPath, rs)
-	if err != nil {
-		return d, fmt.Errorf("check rules with %s: %w", b.Kind(), err)
-	}
-	missing, err := policyroute.Check(o.NetnsPath, rs)
-	if err != nil {
-		return d, fmt.Errorf("check policy routing: %w", err)
-	}
-	d.Missing = append(d.Missing, missing...)
-	return d, nil
+	r, err := CheckReport(ctx, o, s)
+	return r.Drift, err
 }
 
 // Clean removes meshcni's rules from every backend that holds some (an explicit

@@ -1,0 +1,313 @@
+package audit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/record"
+
+	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/podnetns"
+	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/spec"
+)
+
+// Event reasons on the pods audited (all Warning: each says the redirect was, or
+// is, not what it should be).
+const (
+	EventDrift              = "MeshcniRedirectDrift"      // drift found (and repaired, or only reported)
+	EventEscaped            = "MeshcniEscapedPod"         // no redirect, no validation init container
+	EventAnnotationsChanged = "MeshcniAnnotationsChanged" // annotations changed on a running pod
+	EventFailed             = "MeshcniAuditActionFailed"  // the action failed
+)
+
+// Log messages (one line per finding).
+const (
+	LogStarted  = "audit started"
+	LogDrift    = "audit: redirect drift"
+	LogEscaped  = "audit: pod escaped the redirect"
+	LogChanged  = "audit: pod annotations changed"
+	LogFailed   = "audit: action failed"
+	LogGone     = "audit: pod network namespace gone, dropped until its containers start again"
+	LogError    = "audit: check failed"
+	LogRound    = "audit round"
+	defaultConc = 4
+)
+
+// Defaults of the settings.
+const (
+	DefaultPeriod      = 60 * time.Second
+	DefaultConcurrency = 4
+	// Jitter is the fraction by which a period varies, each way.
+	Jitter = 0.1
+	// Spread is the fraction of the period a round's pods are spread over.
+	Spread = 0.75
+)
+
+// Pods is the node's pod cache (pkg/nodepods.Cache).
+type Pods interface {
+	List() []*corev1.Pod
+	Get(namespace, name string) (*corev1.Pod, bool)
+}
+
+// Netns finds a pod's network namespace and holds it open (podnetns.Finder).
+type Netns interface {
+	FindPod(ctx context.Context, pod *corev1.Pod) (*podnetns.Handle, error)
+}
+
+// The effects, replaceable in tests (defaults: the engine's).
+type (
+	CheckFunc func(ctx context.Context, o engine.Options, s *spec.Spec) (engine.Report, error)
+	ApplyFunc func(ctx context.Context, o engine.Options, s *spec.Spec) (backend.Kind, error)
+	LiveFunc  func(ctx context.Context, o engine.Options) (map[backend.Kind]string, error)
+)
+
+// Metrics are the audit's counters.
+type Metrics struct {
+	Detected *prometheus.CounterVec // meshcni_drift_detected_total{reason}
+	Repaired *prometheus.CounterVec // meshcni_drift_repaired_total{reason}
+	Errors   *prometheus.CounterVec // meshcni_audit_errors_total{stage}
+	Rounds   prometheus.Counter     // meshcni_audit_rounds_total
+}
+
+// NewMetrics creates the metrics and registers them in reg (when not nil).
+func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
+	m := &Metrics{
+		Detected: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshcni_drift_detected_total",
+			Help: "Differences the audit found between a meshed pod's live redirect and its spec, by reason (one per pod and reason each time it appears).",
+		}, []string{"reason"}),
+		Repaired: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshcni_drift_repaired_total",
+			Help: "Drift the audit handled by acting: the redirect re-applied in place, or an escaped pod deleted for its controller to recreate, by reason.",
+		}, []string{"reason"}),
+		Errors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshcni_audit_errors_total",
+			Help: "Audit failures by stage (spec, netns, check, action).",
+		}, []string{"stage"}),
+		Rounds: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "meshcni_audit_rounds_total",
+			Help: "Audit rounds over the node's meshed pods.",
+		}),
+	}
+	for _, r := range MetricReasons() {
+		m.Detected.WithLabelValues(string(r))
+		m.Repaired.WithLabelValues(string(r))
+	}
+	if reg != nil {
+		for _, c := range []prometheus.Collector{m.Detected, m.Repaired, m.Errors, m.Rounds} {
+			if err := reg.Register(c); err != nil {
+				return nil, fmt.Errorf("register audit metrics: %w", err)
+			}
+		}
+	}
+	return m, nil
+}
+
+// Options configure an Auditor.
+type Options struct {
+	// Node is this agent's node ("": every pod Pods lists).
+	Node string
+	// Mesh decides which pods are meshed (the agent's excluded namespaces, IPv6 mode).
+	Mesh podspec.Config
+	// Backend is the engine backend (the agent's --backend).
+	Backend backend.Kind
+	// Period between rounds (jittered by ±Jitter); 0: one round at start only, then
+	// only pods whose containers start.
+	Period time.Duration
+	// Concurrency bounds the pods checked at a time (default DefaultConcurrency).
+	Concurrency int
+	// Action on drift (default repair); EscapedAction on escaped pods (default delete).
+	Action, EscapedAction Action
+	// FollowAnnotations applies a changed spec instead of reporting it.
+	FollowAnnotations bool
+	// InitContainer is the validation init container's name (istio-validation).
+	InitContainer string
+
+	Pods   Pods
+	Netns  Netns
+	Client kubernetes.Interface // delete (escaped pods); nil: delete fails
+	Events record.EventRecorder
+	// ReadyToDelete, when set, must return nil before a pod is deleted (the plugin
+	// installed, so the recreated pod gets its redirect).
+	ReadyToDelete func() error
+	Metrics       *Metrics
+	Log           *slog.Logger
+
+	Check CheckFunc
+	Apply ApplyFunc
+	Live  LiveFunc
+}
+
+// Auditor audits the node's meshed pods.
+type Auditor struct {
+	o       Options
+	mu      sync.Mutex
+	pods    map[types.UID]*podState
+	trigger chan string
+	sem     chan struct{} // Concurrency slots, shared by rounds and triggers
+}
+
+// podState is what the audit knows of one pod (by UID).
+type podState struct {
+	busy sync.Mutex
+	// spec and hash: the redirect the pod was last seen with, or repaired to.
+	spec *spec.Spec
+	hash string
+	// path and ino: where the pod's namespace was found, and its inode.
+	path string
+	ino  uint64
+	// kind: the backend found holding the pod's redirect (checked without probing).
+	kind backend.Kind
+	// gone: the namespace was not found; skipped until the containers start again.
+	gone bool
+	// reported: the last finding reported (report mode: not repeated each round);
+	// changed: the annotations' spec hash last reported as changed; lastErr: the
+	// last error logged at Warn level.
+	reported, changed, lastErr string
+}
+
+// New checks the options and returns an Auditor.
+func New(o Options) (*Auditor, error) {
+	if o.Pods == nil || o.Events == nil {
+		return nil, errors.New("audit: the node's pods and an Event recorder are needed")
+	}
+	if o.Action == "" {
+		o.Action = ActionRepair
+	}
+	if o.EscapedAction == "" {
+		o.EscapedAction = ActionDelete
+	}
+	if _, err := ParseAction(string(o.Action)); err != nil {
+		return nil, err
+	}
+	if _, err := ParseEscapedAction(string(o.EscapedAction)); err != nil {
+		return nil, err
+	}
+	if o.Period < 0 {
+		return nil, fmt.Errorf("audit: period %v: want 0 (off) or more", o.Period)
+	}
+	if o.Concurrency <= 0 {
+		o.Concurrency = defaultConc
+	}
+	if o.InitContainer == "" {
+		o.InitContainer = "istio-validation"
+	}
+	if o.Netns == nil {
+		o.Netns = &podnetns.Finder{}
+	}
+	if o.Check == nil {
+		o.Check = engine.CheckReport
+	}
+	if o.Apply == nil {
+		o.Apply = engine.Apply
+	}
+	if o.Live == nil {
+		o.Live = engine.Live
+	}
+	if o.Log == nil {
+		o.Log = slog.Default()
+	}
+	if o.Metrics == nil {
+		m, err := NewMetrics(nil)
+		if err != nil {
+			return nil, err
+		}
+		o.Metrics = m
+	}
+	return &Auditor{o: o, pods: map[types.UID]*podState{}, trigger: make(chan string, 1024), sem: make(chan struct{}, o.Concurrency)}, nil
+}
+
+// Name implements the agent's Runnable.
+func (a *Auditor) Name() string { return "audit" }
+
+// Tracked is the number of pods the auditor remembers (it must not outgrow the
+// node's pods).
+func (a *Auditor) Tracked() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.pods)
+}
+
+// state returns the pod's record, creating it.
+func (a *Auditor) state(uid types.UID) *podState {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	st := a.pods[uid]
+	if st == nil {
+		st = &podState{}
+		a.pods[uid] = st
+	}
+	return st
+}
+
+// Forget drops what the auditor knows of a deleted pod.
+func (a *Auditor) Forget(pod *corev1.Pod) {
+	a.mu.Lock()
+	delete(a.pods, pod.UID)
+	a.mu.Unlock()
+}
+
+// ContainersStarted tells the auditor that a pod's containers started (the
+// informer's update): the pod is checked soon, also when its namespace was gone.
+func (a *Auditor) ContainersStarted(pod *corev1.Pod) {
+	a.mu.Lock()
+	if st := a.pods[pod.UID]; st != nil {
+		st.gone = false
+		st.path = ""
+	}
+	a.mu.Unlock()
+	select {
+	case a.trigger <- pod.Namespace + "/" + pod.Name:
+	default: // full: the next round checks it
+	}
+}
+
+// prune drops the records of pods no longer listed.
+func (a *Auditor) prune(pods []*corev1.Pod) {
+	live := make(map[types.UID]bool, len(pods))
+	for _, p := range pods {
+		live[p.UID] = true
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for uid := range a.pods {
+		if !live[uid] {
+			delete(a.pods, uid)
+		}
+	}
+}
+
+// StartedContainers reports whether an update started a container: one is running
+// in cur that was not (or ran with another ID) in old.
+func StartedContainers(old, cur *corev1.Pod) bool {
+	if cur == nil || cur.Status.Phase != corev1.PodRunning {
+		return false
+	}
+	was := map[string]string{}
+	if old != nil {
+		for _, s := range old.Status.ContainerStatuses {
+			if s.State.Running != nil {
+				was[s.Name] = s.ContainerID
+			}
+		}
+	}
+	for _, s := range cur.Status.ContainerStatuses {
+		if s.State.Running == nil {
+			continue
+		}
+		if id, ok := was[s.Name]; !ok || id != s.ContainerID {
+			return true
+		}
+	}
+	return false
+}

@@ -1,0 +1,116 @@
+package audit
+
+import (
+	"reflect"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/spec"
+)
+
+func pod() *corev1.Pod {
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "app", Name: "web", Annotations: map[string]string{podspec.AnnotationStatus: "{}"}},
+		Spec:       corev1.PodSpec{NodeName: "n1", Containers: []corev1.Container{{Name: podspec.ProxyContainer}}},
+		Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.0.0.5"},
+	}
+}
+
+func TestAudited(t *testing.T) {
+	now := metav1.Now()
+	for _, tc := range []struct {
+		name string
+		mut  func(*corev1.Pod)
+		want bool
+	}{
+		{"meshed and running", func(*corev1.Pod) {}, true},
+		{"other node", func(p *corev1.Pod) { p.Spec.NodeName = "n2" }, false},
+		{"being deleted", func(p *corev1.Pod) { p.DeletionTimestamp = &now }, false},
+		{"host network", func(p *corev1.Pod) { p.Spec.HostNetwork = true }, false},
+		{"pending", func(p *corev1.Pod) { p.Status.Phase = corev1.PodPending }, false},
+		{"no IP", func(p *corev1.Pod) { p.Status.PodIP = "" }, false},
+		{"skipped by the plugin: not injected", func(p *corev1.Pod) { p.Annotations = nil }, false},
+		{"skipped by the plugin: inject=false", func(p *corev1.Pod) { p.Labels = map[string]string{podspec.AnnotationInject: "false"} }, false},
+		{"skipped by the plugin: istio-init", func(p *corev1.Pod) { p.Spec.InitContainers = []corev1.Container{{Name: podspec.InitContainer}} }, false},
+		{"skipped by the plugin: excluded namespace", func(p *corev1.Pod) { p.Namespace = "kube-system" }, false},
+	} {
+		p := pod()
+		tc.mut(p)
+		if got, why := Audited(p, "n1", podspec.Config{ExcludeNamespaces: []string{"kube-system"}}); got != tc.want {
+			t.Errorf("%s: %v (%s), want %v", tc.name, got, why, tc.want)
+		}
+	}
+}
+
+func TestJudge(t *testing.T) {
+	drift := engine.Report{Drift: backend.Drift{Missing: []string{"x"}}, Findings: []engine.Finding{{Reason: engine.ReasonMissingChain}}}
+	for _, tc := range []struct {
+		name               string
+		r                  engine.Report
+		absent, validation bool
+		want               Judgement
+	}{
+		{"clean", engine.Report{}, false, false, Judgement{}},
+		{"drift", drift, false, true, Judgement{Drift: true, Action: ActionRepair, Reasons: []engine.Reason{engine.ReasonMissingChain}}},
+		{"nothing left, validation container: repaired, the validation catches the next start", drift, true, true,
+			Judgement{Drift: true, Action: ActionRepair, Reasons: []engine.Reason{engine.ReasonMissingChain}}},
+		{"escaped", drift, true, false, Judgement{Drift: true, Escaped: true, Action: ActionDelete, Reasons: []engine.Reason{ReasonNoRedirect}}},
+	} {
+		if got := Judge(tc.r, tc.absent, tc.validation, ActionRepair, ActionDelete); !reflect.DeepEqual(got, tc.want) {
+			t.Errorf("%s: %+v, want %+v", tc.name, got, tc.want)
+		}
+	}
+}
+
+func TestAbsent(t *testing.T) {
+	chain := engine.Finding{Reason: engine.ReasonMissingChain}
+	route := engine.Finding{Reason: engine.ReasonMissingRoute}
+	some := engine.Finding{Reason: engine.ReasonMissingRule}
+	for _, tc := range []struct {
+		name string
+		r    engine.Report
+		want bool
+	}{
+		{"no drift", engine.Report{}, false},
+		{"every chain and route gone", engine.Report{Findings: []engine.Finding{chain, route}}, true},
+		{"a chain keeps rules", engine.Report{Findings: []engine.Finding{chain, some}}, false},
+		{"something unexpected", engine.Report{Drift: backend.Drift{Unexpected: []string{"y"}}, Findings: []engine.Finding{chain}}, false},
+	} {
+		if got := Absent(tc.r); got != tc.want {
+			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}
+
+func TestParseActions(t *testing.T) {
+	if a, err := ParseAction(" report "); err != nil || a != ActionReport {
+		t.Fatal(a, err)
+	}
+	if _, err := ParseAction("delete"); err == nil {
+		t.Fatal("delete is for escaped pods only")
+	}
+	for _, s := range []string{"delete", "repair", "report"} {
+		if a, err := ParseEscapedAction(s); err != nil || string(a) != s {
+			t.Fatal(a, err)
+		}
+	}
+	if _, err := ParseEscapedAction("label"); err == nil {
+		t.Fatal("label")
+	}
+}
+
+func TestHash(t *testing.T) {
+	a, b := spec.PodDefaults(), spec.PodDefaults()
+	if Hash(&a) != Hash(&b) {
+		t.Fatal("same spec, different hashes")
+	}
+	b.OutboundPortsExclude = []uint16{8080}
+	if Hash(&a) == Hash(&b) {
+		t.Fatal("different specs, same hash")
+	}
+}

@@ -1,0 +1,140 @@
+package audit_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/record"
+
+	"github.com/meshcni/meshcni/pkg/audit"
+	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/podnetns"
+	"github.com/meshcni/meshcni/pkg/podspec"
+)
+
+// pods is a pod source for the auditor (the agent's is the node's informer cache).
+type pods struct {
+	mu   sync.Mutex
+	list []*corev1.Pod
+}
+
+func (p *pods) List() []*corev1.Pod {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]*corev1.Pod(nil), p.list...)
+}
+
+func (p *pods) Get(ns, name string) (*corev1.Pod, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, x := range p.list {
+		if x.Namespace == ns && x.Name == name {
+			return x, true
+		}
+	}
+	return nil, false
+}
+
+func (p *pods) set(list ...*corev1.Pod) {
+	p.mu.Lock()
+	p.list = list
+	p.mu.Unlock()
+}
+
+// netnsByName finds a pod's namespace by the pod's name: the scratch namespaces all
+// hold the same addresses, so podnetns.Finder (proven in pkg/podnetns) would
+// refuse to choose. The handle is podnetns's own (the namespace held open).
+type netnsByName struct {
+	mu    sync.Mutex
+	paths map[string]string
+	finds int
+}
+
+func (n *netnsByName) FindPod(_ context.Context, pod *corev1.Pod) (*podnetns.Handle, error) {
+	n.mu.Lock()
+	path, ok := n.paths[pod.Name]
+	n.finds++
+	n.mu.Unlock()
+	if !ok {
+		return nil, fmt.Errorf("pod %s: %w", pod.Name, podnetns.ErrNotFound)
+	}
+	h, err := podnetns.Open(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("pod %s: %w", pod.Name, podnetns.ErrNotFound)
+	}
+	return h, err
+}
+
+func (n *netnsByName) found() int {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.finds
+}
+
+const node = "node-a"
+
+// meshedPod is an injected pod as Istio writes it, running on node, with ip.
+func meshedPod(name, ip string, annotations map[string]string) *corev1.Pod {
+	ann := map[string]string{podspec.AnnotationStatus: `{"containers":["istio-proxy"]}`}
+	for k, v := range annotations {
+		ann[k] = v
+	}
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "app", Name: name, UID: types.UID("uid-" + name), Annotations: ann, ResourceVersion: "7"},
+		Spec: corev1.PodSpec{
+			NodeName:       node,
+			InitContainers: []corev1.Container{{Name: "istio-validation", Image: "proxyv2"}},
+			Containers:     []corev1.Container{{Name: "app", Image: "app"}, {Name: podspec.ProxyContainer, Image: "proxyv2", Args: []string{"proxy", "sidecar"}}},
+		},
+		Status: corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}}},
+	}
+}
+
+// events drains the fake recorder.
+func events(r *record.FakeRecorder) []string {
+	var out []string
+	for {
+		select {
+		case e := <-r.Events:
+			out = append(out, e)
+		default:
+			return out
+		}
+	}
+}
+
+func count(m *audit.Metrics, detected bool, r engine.Reason) int {
+	v := m.Repaired
+	if detected {
+		v = m.Detected
+	}
+	return int(testutil.ToFloat64(v.WithLabelValues(string(r))))
+}
+
+func hasEvent(evs []string, reason string, parts ...string) bool {
+	for _, e := range evs {
+		if !strings.HasPrefix(e, "Warning "+reason+" ") {
+			continue
+		}
+		ok := true
+		for _, p := range parts {
+			ok = ok && strings.Contains(e, p)
+		}
+		if ok {
+			return true
+		}
+	}
+	return false
+}
+
+func testutilToFloat(m *audit.Metrics, stage string) float64 {
+	return testutil.ToFloat64(m.Errors.WithLabelValues(stage))
+}
