@@ -149,3 +149,30 @@ func (c *Client) Get(ctx context.Context, path string, query url.Values, v any) 
 	}
 	return nil
 }
+
+// pageSize is the number of objects a List asks for per page.
+const pageSize = 500
+
+// List GETs every page of a list (path, e.g. "api/v1/pods") and returns its items.
+func List[T any](ctx context.Context, c *Client, path string, query url.Values) ([]T, error) {
+	q := url.Values{}
+	for k, v := range query {
+		q[k] = v
+	}
+	q.Set("limit", fmt.Sprint(pageSize))
+	var all []T
+	for {
+		var page struct {
+			Metadata metav1.ListMeta `json:"metadata"`
+			Items    []T             `json:"items"`
+		}
+		if err := c.Get(ctx, path, q, &page); err != nil {
+			return nil, err
+		}
+		all = append(all, page.Items...)
+		if page.Metadata.Continue == "" {
+			return all, nil
+		}
+		q.Set("continue", page.Metadata.Continue)
+	}
+}
