@@ -413,6 +413,10 @@ func getPod(ctx context.Context, kubeconfig, ns, name string) (*corev1.Pod, erro
 	}
 	var pod corev1.Pod
 	if err := c.Get(ctx, "api/v1/namespaces/"+ns+"/pods/"+name, nil, &pod); err != nil {
+		var se *kubeget.StatusError
+		if errors.As(err, &se) {
+			return nil, fmt.Errorf("get pod %s/%s from %s: %s: %s", ns, name, c.Host(), se.Status, se.Message)
+		}
 		return nil, fmt.Errorf("get pod %s/%s from %s: %w", ns, name, c.Host(), err)
 	}
 	return &pod, nil
