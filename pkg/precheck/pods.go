@@ -4,15 +4,17 @@ import (
 	"fmt"
 
 	corev1 "k8s.io/api/core/v1"
+
+	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
-// Names of the containers Istio's injector adds.
+// Names of the containers and annotations Istio's injector adds.
 const (
-	proxyContainer      = "istio-proxy"
-	initContainer       = "istio-init"
-	validationContainer = "istio-validation"
-	statusAnnotation    = "sidecar.istio.io/status"
-	interceptionModeKey = "sidecar.istio.io/interceptionMode"
+	proxyContainer      = podspec.ProxyContainer
+	initContainer       = podspec.InitContainer
+	validationContainer = "istio-validation" // with pilot.cni.enabled=true
+	statusAnnotation    = podspec.AnnotationStatus
+	interceptionModeKey = podspec.AnnotationInterceptionMode
 )
 
 // meshed reports whether a pod has Istio's sidecar (a container, or a native
