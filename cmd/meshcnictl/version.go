@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/url"
@@ -107,7 +108,12 @@ func agentVersions(ctx context.Context, kubeconfig string) ([]agentversion.Node,
 	fetch := func(ctx context.Context, pod *corev1.Pod, port int, path string) ([]byte, error) {
 		ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
-		return c.Raw(ctx, "api/v1/namespaces/"+pod.Namespace+"/pods/"+pod.Name+":"+strconv.Itoa(port)+"/proxy/"+path, nil)
+		body, err := c.Raw(ctx, "api/v1/namespaces/"+pod.Namespace+"/pods/"+pod.Name+":"+strconv.Itoa(port)+"/proxy/"+path, nil)
+		var se *kubeget.StatusError
+		if errors.As(err, &se) {
+			return nil, fmt.Errorf("%s: %s", se.Status, se.Message) // the note names the pod and port
+		}
+		return body, err
 	}
 	return agentversion.Collect(ctx, pods, fetch), nil
 }

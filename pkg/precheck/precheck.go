@@ -136,5 +136,5 @@ func injectorFinding(inj Injector) Finding {
 	}
 	return Finding{Severity: Blocker, Check: "injector",
 		What: what + ": new pods get the privileged istio-init, not the CNI redirect",
-		Do:   "set pilot.cni.enabled=true on istiod (Helm: --set pilot.cni.enabled=true on the istiod release; istioctl: values.pilot.cni.enabled=true, kept when components.cni.enabled=false) and restart the meshed workloads"}
+		Do:   "set pilot.cni.enabled=true on istiod (Helm: --set pilot.cni.enabled=true on the istiod release; istioctl sets it from components.cni.enabled, see docs/migration.md) and restart the meshed workloads"}
 }
