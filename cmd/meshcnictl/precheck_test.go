@@ -10,6 +10,9 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/meshcni/meshcni/internal/demo"
@@ -124,8 +127,104 @@ func TestPrecheckVersionTestbed(t *testing.T) {
 		t.Errorf("without the canary: exit %d, %v", code, err)
 	}
 
+	testMultus(t, tb, real)
 	testVersionAgents(t, kc)
 	testNamespaceFromContext(t, kc)
+}
+
+var (
+	crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
+	nadGVR = schema.GroupVersionResource{Group: "k8s.cni.cncf.io", Version: "v1", Resource: "network-attachment-definitions"}
+)
+
+// testMultus: a revision whose injector uses Multus (the real ConfigMap with
+// pilot.cni.provider=multus: the network comes from Istio's real sidecar template),
+// first without Multus' CRD, then with Istio's chart's NetworkAttachmentDefinition,
+// then without it.
+func testMultus(t *testing.T, tb *testbed.Testbed, real *corev1.ConfigMap) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cms := tb.Client.CoreV1().ConfigMaps(istio.Namespace)
+	cm := real.DeepCopy()
+	cm.ObjectMeta = metav1.ObjectMeta{Namespace: istio.Namespace, Name: precheck.InjectorConfigMap + "-multus", Labels: map[string]string{"istio.io/rev": "multus"}}
+	var values map[string]any
+	if err := json.Unmarshal([]byte(cm.Data["values"]), &values); err != nil {
+		t.Fatal(err)
+	}
+	values["revision"] = "multus"
+	values["pilot"].(map[string]any)["cni"].(map[string]any)["provider"] = "multus"
+	data, _ := json.Marshal(values)
+	cm.Data["values"] = string(data)
+	if _, err := cms.Create(ctx, cm, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cms.Delete(context.Background(), cm.Name, metav1.DeleteOptions{}) })
+	inj := "injector istio-system/" + cm.Name
+	r := precheckJSON(t, tb.Kubeconfig(), 0)
+	wantFindings(t, r,
+		"WARNING  "+inj+" asks Multus for network default/istio-cni but meshcni is chained into the primary network",
+		"WARNING  "+inj+" asks Multus for network default/istio-cni but the API server serves no NetworkAttachmentDefinitions",
+		"INFO     "+inj+" (revision multus): pilot.cni.enabled=true, pilot.cni.provider=multus, proxy-init image "+istio.Hub+"/proxyv2:"+istio.Tag+", Multus network default/istio-cni:",
+	)
+
+	dyn, err := dynamic.NewForConfig(tb.RESTConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dyn.Resource(crdGVR).Create(ctx, nadCRD(), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = dyn.Resource(crdGVR).Delete(context.Background(), "network-attachment-definitions.k8s.cni.cncf.io", metav1.DeleteOptions{})
+	})
+	// As Istio's istio-cni chart renders it (provider multus): no spec.config.
+	nad := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition",
+		"metadata": map[string]any{"name": "istio-cni", "namespace": "default",
+			"labels": map[string]any{"operator.istio.io/component": "Cni", "app.kubernetes.io/name": "istio-cni"}},
+	}}
+	var created bool
+	for !created { // the CRD is served shortly after it is created
+		_, err := dyn.Resource(nadGVR).Namespace("default").Create(ctx, nad, metav1.CreateOptions{})
+		switch {
+		case err == nil:
+			created = true
+		case ctx.Err() != nil:
+			t.Fatalf("create the NetworkAttachmentDefinition: %v", err)
+		default:
+			time.Sleep(200 * time.Millisecond)
+		}
+	}
+	r = precheckJSON(t, tb.Kubeconfig(), 0)
+	wantFindings(t, r, "WARNING  NetworkAttachmentDefinition default/istio-cni belongs to Istio's istio-cni chart")
+	if err := dyn.Resource(nadGVR).Namespace("default").Delete(ctx, "istio-cni", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	r = precheckJSON(t, tb.Kubeconfig(), exitBlockers)
+	wantFindings(t, r, "BLOCKER  injected pods name Multus network default/istio-cni but no NetworkAttachmentDefinition default/istio-cni exists")
+	if err := cms.Delete(ctx, cm.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// nadCRD is Multus' NetworkAttachmentDefinition CRD (its schema as Multus ships it:
+// spec.config a string).
+func nadCRD() *unstructured.Unstructured {
+	return &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+		"metadata": map[string]any{"name": "network-attachment-definitions.k8s.cni.cncf.io"},
+		"spec": map[string]any{
+			"group": "k8s.cni.cncf.io", "scope": "Namespaced",
+			"names": map[string]any{"plural": "network-attachment-definitions", "singular": "network-attachment-definition",
+				"kind": "NetworkAttachmentDefinition", "shortNames": []any{"net-attach-def"}},
+			"versions": []any{map[string]any{"name": "v1", "served": true, "storage": true,
+				"schema": map[string]any{"openAPIV3Schema": map[string]any{"type": "object", "properties": map[string]any{
+					"apiVersion": map[string]any{"type": "string"}, "kind": map[string]any{"type": "string"},
+					"metadata": map[string]any{"type": "object"},
+					"spec":     map[string]any{"type": "object", "properties": map[string]any{"config": map[string]any{"type": "string"}}},
+				}}}}},
+		},
+	}}
 }
 
 func precheckJSON(t *testing.T, kubeconfig string, wantCode int) precheckReport {
