@@ -14,14 +14,23 @@ import (
 type product struct {
 	name     string
 	selector labels.Set // labels of its node pods
+	// not: pods of another product that may carry selector too (meshcni's agent
+	// wears k8s-app=istio-cni-node for istiod's untaint controller).
+	not labels.Set
+}
+
+func (p product) matches(l map[string]string) bool {
+	set := labels.Set(l)
+	return p.selector.AsSelector().Matches(set) && (p.not == nil || !p.not.AsSelector().Matches(set))
 }
 
 var (
 	// istioCNI: Istio's istio-cni chart labels its pods k8s-app=istio-cni-node (the
 	// label istiod's untaint controller selects).
-	istioCNI = product{name: "Istio's istio-cni", selector: labels.Set{"k8s-app": "istio-cni-node"}}
+	istioCNI = product{name: "Istio's istio-cni", selector: labels.Set{"k8s-app": "istio-cni-node"}, not: meshcniAgent}
 	// meshcni: the selector labels of meshcni's chart for the agent.
-	meshcni = product{name: "meshcni", selector: labels.Set{"app.kubernetes.io/name": "meshcni", "app.kubernetes.io/component": "agent"}}
+	meshcni      = product{name: "meshcni", selector: meshcniAgent}
+	meshcniAgent = labels.Set{"app.kubernetes.io/name": "meshcni", "app.kubernetes.io/component": "agent"}
 )
 
 // MeshcniAgentSelector is the label selector of meshcni's agent pods (the chart's).
@@ -49,11 +58,10 @@ type Install struct {
 }
 
 func findInstall(in Input, p product) *Install {
-	sel := p.selector.AsSelector()
 	inst := &Install{}
 	for i := range in.DaemonSets {
 		ds := &in.DaemonSets[i]
-		if !sel.Matches(labels.Set(ds.Spec.Template.Labels)) {
+		if !p.matches(ds.Spec.Template.Labels) {
 			continue
 		}
 		inst.DaemonSets = append(inst.DaemonSets, ds.Namespace+"/"+ds.Name)
@@ -64,7 +72,7 @@ func findInstall(in Input, p product) *Install {
 	ready, notReady := map[string]bool{}, map[string]bool{}
 	for i := range in.Pods {
 		pod := &in.Pods[i]
-		if !sel.Matches(labels.Set(pod.Labels)) || pod.Spec.NodeName == "" || pod.DeletionTimestamp != nil {
+		if !p.matches(pod.Labels) || pod.Spec.NodeName == "" || pod.DeletionTimestamp != nil {
 			continue
 		}
 		if podReady(pod) {

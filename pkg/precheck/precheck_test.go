@@ -46,6 +46,8 @@ func cniPod(lbls map[string]string, nodeName string, ready bool) corev1.Pod {
 var (
 	istioLabels = map[string]string{"k8s-app": "istio-cni-node"}
 	meshLabels  = map[string]string{"app.kubernetes.io/name": "meshcni", "app.kubernetes.io/component": "agent", "app.kubernetes.io/instance": "meshcni"}
+	// withIstioLabel: meshcni's agent with the label istiod's untaint controller selects.
+	withIstioLabel = map[string]string{"app.kubernetes.io/name": "meshcni", "app.kubernetes.io/component": "agent", "k8s-app": "istio-cni-node"}
 )
 
 func ds(ns, name string, lbls map[string]string, env ...corev1.EnvVar) appsv1.DaemonSet {
@@ -110,6 +112,15 @@ func TestRun(t *testing.T) {
 			"meshcni is installed: DaemonSet meshcni/meshcni-agent, Ready on node n1",
 			"istio-cni and meshcni are both Ready on node n1",
 		},
+	}, {
+		name: "meshcni's agent labelled k8s-app=istio-cni-node (istiod's untaint controller) is not istio-cni",
+		in: Input{
+			Nodes:              []corev1.Node{node("n1")},
+			DaemonSets:         []appsv1.DaemonSet{ds("meshcni", "meshcni-agent", withIstioLabel)},
+			Pods:               []corev1.Pod{cniPod(withIstioLabel, "n1", true)},
+			InjectorConfigMaps: []corev1.ConfigMap{injectorCM("", true, "default", "proxyv2")},
+		},
+		want: []string{"Istio's istio-cni is not installed", "meshcni is installed: DaemonSet meshcni/meshcni-agent, Ready on node n1", "only meshcni redirects on node n1"},
 	}, {
 		name: "istio-cni removed before meshcni is on n2: blocker",
 		in: Input{
