@@ -13,10 +13,13 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/yaml"
 
+	"github.com/meshcni/meshcni/pkg/ctlout"
+	"github.com/meshcni/meshcni/pkg/kubeget"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/rules"
+	"github.com/meshcni/meshcni/pkg/rules/ipt"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -32,28 +35,37 @@ type explainFlags struct {
 	ipv6Mode          string
 	podIPs            []string
 	timeout           time.Duration
+	output            string
 }
 
 func newExplainCmd() *cobra.Command {
 	f := &explainFlags{}
 	cmd := &cobra.Command{
 		Use:   "explain [POD]",
-		Short: "Say whether the CNI plugin redirects a pod, why, and with which rules",
-		Long: `explain runs the plugin's decision (podspec.Decide) and spec derivation
-(podspec.Build) on a pod, read from a file (-f, YAML or JSON, "-" for stdin) or GET
-from the API server (-n NAMESPACE POD or NAMESPACE/POD; --kubeconfig, default
-$KUBECONFIG, then the in-cluster service account), and prints the decision, its
-reason, the spec and the rules (iptables-restore form) the plugin would write.
+		Short: "Say whether meshcni redirects a pod, why, and with which rules",
+		Long: `explain runs the CNI plugin's own decision and rule derivation on a pod and
+prints what the plugin does when the pod starts: redirected or not, the reason, the
+redirect settings it takes from the pod's annotations and its istio-proxy container,
+and the rules it writes (in iptables-restore form). The pod is read from a file (-f,
+YAML or JSON, "-" for stdin) or from the API server ([NAMESPACE/]POD or -n NAMESPACE
+POD; the namespace defaults to the kubeconfig context's; --kubeconfig, default
+$KUBECONFIG, then the in-cluster service account). Nothing is changed.
 
 IP families: the pod's addresses are --pod-ip (as the plugin takes them from the CNI
-prevResult), else the pod's status.podIPs; IPv6 is captured as Istio decides (with
+result), else the pod's status.podIPs; IPv6 is captured as Istio decides (with
 ISTIO_DUAL_STACK on istio-proxy when the pod has an IPv6 address, without it only
 in an IPv6-only pod), or as the pod's meshcni.io/ipv6 (else --ipv6-mode, the
-plugin's ipv6 key) says.`,
+plugin's ipv6 key) says.
+
+-o json or -o yaml prints a PodRedirectExplanation (apiVersion meshcni.io/v1alpha1)
+with the same content.`,
 		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx, cancel := context.WithTimeout(cmd.Context(), f.timeout)
 			defer cancel()
+			if _, err := ctlout.ParseFormat(f.output); err != nil {
+				return err
+			}
 			pod, err := f.pod(ctx, args)
 			if err != nil {
 				return err
@@ -64,7 +76,8 @@ plugin's ipv6 key) says.`,
 	fl := cmd.Flags()
 	fl.StringVarP(&f.file, "file", "f", "", "pod manifest (YAML or JSON); - for stdin")
 	f.registerPodFlags(fl) // shared with inspect
-	fl.StringSliceVar(&f.podIPs, "pod-ip", nil, "the pod's addresses (IP families of the rules)")
+	fl.StringSliceVar(&f.podIPs, "pod-ip", nil, "the pod's addresses, which set the IP families of the rules (default: the pod's status.podIPs)")
+	fl.StringVarP(&f.output, "output", "o", "text", "output format: text, json or yaml")
 	return cmd
 }
 
@@ -92,7 +105,7 @@ func (f *explainFlags) pod(ctx context.Context, args []string) (*corev1.Pod, err
 		}
 		return &pod, nil
 	case len(args) == 1:
-		ns, name, err := podRef(args[0], f.namespace)
+		ns, name, err := f.podRef(args[0])
 		if err != nil {
 			return nil, err
 		}
@@ -101,10 +114,65 @@ func (f *explainFlags) pod(ctx context.Context, args []string) (*corev1.Pod, err
 	return nil, fmt.Errorf("give a pod: -f FILE or -n NAMESPACE POD")
 }
 
+// podRef parses [NAMESPACE/]NAME; the namespace defaults to -n, else to the
+// kubeconfig context's namespace (in a pod without kubeconfig: its service
+// account's).
+func (f *explainFlags) podRef(ref string) (string, string, error) {
+	if f.namespace == "" && !strings.Contains(ref, "/") {
+		if _, _, err := podRef(ref, "default"); err != nil {
+			return "", "", err // a bad name, whatever the namespace
+		}
+		ns, err := kubeget.Namespace(f.kubeconfig)
+		if err != nil {
+			return "", "", err
+		}
+		f.namespace = ns
+	}
+	return podRef(ref, f.namespace)
+}
+
+// explanation is explain's result for -o json|yaml.
+type explanation struct {
+	ctlout.TypeMeta `json:",inline"`
+	Pod             string               `json:"pod"` // namespace/name
+	Redirected      bool                 `json:"redirected"`
+	Reason          string               `json:"reason"`
+	Warnings        []string             `json:"warnings,omitempty"`
+	Spec            *ctlout.RedirectSpec `json:"spec,omitempty"`
+	Rules           *ruleText            `json:"rules,omitempty"`
+}
+
+// ruleText is the rules the plugin writes, in iptables-restore --noflush form per
+// family, and its policy route (TPROXY).
+type ruleText struct {
+	IPv4        string `json:"ipv4,omitempty"`
+	IPv6        string `json:"ipv6,omitempty"`
+	PolicyRoute string `json:"policyRoute,omitempty"`
+}
+
+// explanationKind is the kind of explain's -o json|yaml result.
+const explanationKind = "PodRedirectExplanation"
+
+func newExplanation(pod *corev1.Pod, p podPlan) explanation {
+	e := explanation{TypeMeta: ctlout.Meta(explanationKind), Pod: pod.Namespace + "/" + pod.Name,
+		Redirected: p.Decision.Meshed, Reason: p.Decision.Reason, Warnings: p.Warnings, Spec: ctlout.Spec(p.Spec)}
+	if p.Spec != nil {
+		rs := rules.Build(p.Spec)
+		e.Rules = &ruleText{IPv4: ipt.Restore(rs, rules.V4), IPv6: ipt.Restore(rs, rules.V6)}
+		if rs.Route != nil {
+			e.Rules.PolicyRoute = fmt.Sprintf("ip rule add fwmark %d lookup %d; ip route add local default dev lo table %d", rs.Route.Mark, rs.Route.Table, rs.Route.Table)
+		}
+	}
+	return e
+}
+
 func explain(out io.Writer, pod *corev1.Pod, f *explainFlags) error {
 	p, err := f.plan(pod)
 	if err != nil {
 		return err
+	}
+	if format, _ := ctlout.ParseFormat(f.output); format != ctlout.Text {
+		return ctlout.Write(out, format, newExplanation(pod, p))
 	}
 	printPlan(out, pod, p)
 	if p.Spec != nil {

@@ -2,15 +2,11 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"io/fs"
-	"net/http"
-	"net/url"
 	"os"
-	"path/filepath"
 	"sort"
 	"strings"
 	"time"
@@ -18,13 +14,12 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/ctlout"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/kubeget"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
@@ -53,7 +48,6 @@ type inspectFlags struct {
 	netnsDirs    []string
 	nodeName     string
 	backend      string
-	output       string
 	cniConfDir   string
 	// pluginFlags: --exclude-namespaces or --agent-pod-label given, which then win
 	// over the node's meshcni entry.
@@ -64,21 +58,24 @@ func newInspectCmd() *cobra.Command {
 	f := &inspectFlags{}
 	cmd := &cobra.Command{
 		Use:   "inspect POD|NETNS",
-		Short: "Show a pod's live meshcni rules on this node and their drift from what its annotations ask for",
+		Short: "Show a pod's live meshcni rules on this node and whether they are the ones its annotations ask for",
 		Long: `inspect reads the live meshcni rules in a pod's network namespace on this node,
 whichever backend holds them (nftables, iptables-nft, iptables-legacy), and compares
-them with the rules the CNI plugin derives from the pod (as explain shows them).
+them with the rules the CNI plugin writes for the pod (as explain shows them). Run it
+as root on the pod's node; it changes nothing.
 
-POD is [NAMESPACE/]NAME (or -n NAMESPACE NAME), read from the API server
-(--kubeconfig, default $KUBECONFIG, then the in-cluster service account). Its
-network namespace is found on this node from the pod's IPs, in the --netns-dir
-directories and in /proc; when several namespaces hold them (a stale one, an
-address in use twice) inspect names them and refuses to choose. --netns PATH
-skips the search.
+POD is [NAMESPACE/]NAME (or -n NAMESPACE NAME; the namespace defaults to the
+kubeconfig context's), read from the API server (--kubeconfig, default $KUBECONFIG,
+then the in-cluster service account). Its network namespace is found on this node
+from the pod's IPs, in the --netns-dir directories and in /proc; when several
+namespaces hold them (a stale one, an address in use twice) inspect names them and
+refuses to choose. --netns PATH skips the search.
 
 NETNS is a path to a network namespace file (absolute, or starting with ./ or ../),
 e.g. /var/run/netns/cni-1234 or /proc/PID/ns/net: its live rules are printed, with
 nothing to compare them with.
+
+-o json or -o yaml prints a PodRedirectInspection (apiVersion meshcni.io/v1alpha1).
 
 Exit status: 0 when the rules are as desired (a meshed pod in sync, an un-meshed pod
 without meshcni rules, or a NETNS given alone); 1 on drift or meshcni rules on a pod
@@ -103,19 +100,19 @@ that is not meshed; 2 on usage errors and when the pod or its netns cannot be fo
 	fl.StringArrayVar(&f.netnsDirs, "netns-dir", podnetns.DefaultNetnsDirs, "directory of the runtime's bind-mounted netns files to search (repeatable; replaces the defaults)")
 	fl.StringVar(&f.nodeName, "node-name", defaultNodeName(), "this node's name, to tell when the pod runs elsewhere (from $NODE_NAME, else the host name)")
 	fl.StringVar(&f.backend, "backend", "auto", "backend whose rules to read: auto (whichever holds rules), nftables, iptables-nft or iptables-legacy")
-	fl.StringVarP(&f.output, "output", "o", "text", "text or json")
+	fl.StringVarP(&f.output, "output", "o", "text", "output format: text, json or yaml")
 	fl.StringVar(&f.cniConfDir, "cni-conf-dir", "/etc/cni/net.d", "the node's CNI configuration directory: the plugin's exclude_namespaces, agent_pod_namespace and agent_pod_label are read from meshcni's entry there, unless given as flags")
 	return cmd
 }
 
 // registerPodFlags registers the flags inspect shares with explain.
 func (f *explainFlags) registerPodFlags(fl *pflag.FlagSet) {
-	fl.StringVar(&f.kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig to GET the pod with (default $KUBECONFIG, else the in-cluster service account)")
-	fl.StringVarP(&f.namespace, "namespace", "n", "default", "namespace of POD")
-	fl.StringSliceVar(&f.excludeNamespaces, "exclude-namespaces", nil, "the plugin's exclude_namespaces")
-	fl.StringVar(&f.agentNamespace, "agent-pod-namespace", "", "the plugin's agent_pod_namespace (the agent's namespace; empty: no pod is exempt by label)")
-	fl.StringVar(&f.agentLabel, "agent-pod-label", podspec.DefaultAgentLabel, "the plugin's agent_pod_label")
-	fl.StringVar(&f.ipv6Mode, "ipv6-mode", string(spec.IPv6Istio), "the plugin's ipv6 key: istio, capture or drop (a pod's meshcni.io/ipv6 wins)")
+	fl.StringVar(&f.kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig to read the pod with (default $KUBECONFIG, else the in-cluster service account)")
+	fl.StringVarP(&f.namespace, "namespace", "n", "", "namespace of POD (default: the kubeconfig context's namespace)")
+	fl.StringSliceVar(&f.excludeNamespaces, "exclude-namespaces", nil, "namespaces whose pods the plugin never redirects (its exclude_namespaces)")
+	fl.StringVar(&f.agentNamespace, "agent-pod-namespace", "", "namespace of meshcni's agent, whose pods carrying --agent-pod-label are never redirected (the plugin's agent_pod_namespace; empty: none is exempt by label)")
+	fl.StringVar(&f.agentLabel, "agent-pod-label", podspec.DefaultAgentLabel, "label KEY=VALUE of the agent's pods (the plugin's agent_pod_label)")
+	fl.StringVar(&f.ipv6Mode, "ipv6-mode", string(spec.IPv6Istio), "IPv6 of meshed pods (the plugin's ipv6 key): istio, capture or drop; a pod's meshcni.io/ipv6 annotation wins")
 	fl.DurationVar(&f.timeout, "timeout", 20*time.Second, "give up after this long")
 }
 
@@ -127,14 +124,18 @@ func defaultNodeName() string {
 	return strings.ToLower(h)
 }
 
-// inspectReport is inspect's result; -o json prints it as is.
+// inspectKind is the kind of inspect's -o json|yaml result.
+const inspectKind = "PodRedirectInspection"
+
+// inspectReport is inspect's result; -o json|yaml prints it as is.
 type inspectReport struct {
-	Pod      string     `json:"pod,omitempty"` // namespace/name
-	Node     string     `json:"node,omitempty"`
-	Meshed   *bool      `json:"meshed,omitempty"`
-	Reason   string     `json:"reason,omitempty"`
-	Warnings []string   `json:"warnings,omitempty"`
-	Spec     *spec.Spec `json:"spec,omitempty"` // pkg/spec's field names
+	ctlout.TypeMeta `json:",inline"`
+	Pod             string               `json:"pod,omitempty"` // namespace/name
+	Node            string               `json:"node,omitempty"`
+	Meshed          *bool                `json:"meshed,omitempty"`
+	Reason          string               `json:"reason,omitempty"`
+	Warnings        []string             `json:"warnings,omitempty"`
+	Spec            *ctlout.RedirectSpec `json:"spec,omitempty"`
 	// PluginConfig is the node's file whose meshcni entry the decision used ("" when
 	// the flags were given or no entry was found).
 	PluginConfig string                  `json:"pluginConfig,omitempty"`
@@ -146,6 +147,7 @@ type inspectReport struct {
 
 	plan *podPlan
 	pod  *corev1.Pod
+	spec *spec.Spec // the desired redirect (nil: not meshed, or no pod)
 }
 
 // driftReport is backend.Drift for -o json: rules in the backend's text form, each
@@ -160,8 +162,9 @@ func usageErr(format string, args ...any) error {
 }
 
 func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []string) error {
-	if f.output != "text" && f.output != "json" {
-		return usageErr("-o %q: want text or json", f.output)
+	format, err := ctlout.ParseFormat(f.output)
+	if err != nil {
+		return &exitError{code: exitUsage, err: err}
 	}
 	kind, err := backend.ParseKind(f.backend)
 	if err != nil {
@@ -187,12 +190,12 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 		}
 	}
 
-	r := &inspectReport{Netns: f.netns}
+	r := &inspectReport{TypeMeta: ctlout.Meta(inspectKind), Netns: f.netns}
 	// enter is the path the rules are read through: the one given, else the found
 	// namespace's open handle (r.Netns names it).
 	enter := f.netns
 	if ref != "" {
-		ns, name, err := podRef(ref, f.namespace)
+		ns, name, err := f.podRef(ref)
 		if err != nil {
 			return &exitError{code: exitUsage, err: err}
 		}
@@ -218,7 +221,8 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 		}
 		meshed := p.Decision.Meshed
 		r.pod, r.plan = pod, &p
-		r.Pod, r.Node, r.Meshed, r.Reason, r.Warnings, r.Spec = ns+"/"+name, pod.Spec.NodeName, &meshed, p.Decision.Reason, p.Warnings, p.Spec
+		r.Pod, r.Node, r.Meshed, r.Reason, r.Warnings, r.spec = ns+"/"+name, pod.Spec.NodeName, &meshed, p.Decision.Reason, p.Warnings, p.Spec
+		r.Spec = ctlout.Spec(p.Spec)
 		if r.Netns == "" {
 			h, err := f.findNetns(ctx, pod)
 			if err != nil {
@@ -244,14 +248,14 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 	switch {
 	case r.plan == nil:
 		r.Status = statusLiveOnly
-	case r.Spec == nil: // not meshed
+	case r.spec == nil: // not meshed
 		r.Status = statusNotMeshed
 		if len(holders) > 0 {
 			r.Status = statusUnexpectedRules
 			r.Problems = append(r.Problems, fmt.Sprintf("the pod is not meshed but %s holds meshcni rules", joinKinds(holders)))
 		}
 	default:
-		d, err := engine.Check(ctx, o, r.Spec)
+		d, err := engine.Check(ctx, o, r.spec)
 		if err != nil {
 			return &exitError{code: exitUsage, err: fmt.Errorf("check the rules in %s: %w", r.Netns, err)}
 		}
@@ -267,10 +271,8 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 		}
 	}
 
-	if f.output == "json" {
-		enc := json.NewEncoder(out)
-		enc.SetIndent("", "  ")
-		if err := enc.Encode(r); err != nil {
+	if format != ctlout.Text {
+		if err := ctlout.Write(out, format, r); err != nil {
 			return err
 		}
 	} else {
@@ -405,61 +407,17 @@ func podRef(ref, ns string) (string, string, error) {
 // getPod GETs the pod with the kubeconfig (any kubectl credential), or with none
 // given, the in-cluster service account. A missing pod fails at once.
 func getPod(ctx context.Context, kubeconfig, ns, name string) (*corev1.Pod, error) {
-	var cfg *rest.Config
-	var err error
-	if kubeconfig != "" {
-		// One file must exist; a KUBECONFIG-style list is merged as kubectl does.
-		rules := &clientcmd.ClientConfigLoadingRules{ExplicitPath: kubeconfig}
-		if paths := filepath.SplitList(kubeconfig); len(paths) > 1 {
-			rules = &clientcmd.ClientConfigLoadingRules{Precedence: paths}
-		}
-		cc := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{})
-		if cfg, err = cc.ClientConfig(); err != nil {
-			return nil, fmt.Errorf("kubeconfig %s: %w", kubeconfig, err)
-		}
-	} else if cfg, err = rest.InClusterConfig(); err != nil {
-		return nil, fmt.Errorf("give --kubeconfig (or KUBECONFIG) to GET pod %s/%s: no in-cluster service account (%w)", ns, name, err)
-	}
-	// A plain GET through client-go's authenticated transport (certificates, tokens,
-	// exec plugins): the typed clientsets would double the binary's size.
-	hc, err := rest.HTTPClientFor(cfg)
-	if err != nil {
-		return nil, fmt.Errorf("API client: %w", err)
-	}
-	base, err := url.Parse(cfg.Host)
-	if err != nil || base.Host == "" {
-		return nil, fmt.Errorf("API server address %q: not a URL", cfg.Host)
-	}
-	if base.Scheme == "" {
-		base.Scheme = "https"
-	}
-	u := base.JoinPath(cfg.APIPath, "api/v1/namespaces", ns, "pods", name)
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
-	if err != nil {
-		return nil, err
-	}
-	req.Header.Set("Accept", "application/json")
-	req.Header.Set("User-Agent", "meshcnictl")
-	resp, err := hc.Do(req)
+	c, err := kubeget.New(kubeconfig)
 	if err != nil {
 		return nil, fmt.Errorf("get pod %s/%s: %w", ns, name, err)
 	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
-	if err != nil {
-		return nil, fmt.Errorf("get pod %s/%s: read the answer: %w", ns, name, err)
-	}
-	if resp.StatusCode != http.StatusOK {
-		var st metav1.Status
-		msg := strings.TrimSpace(string(body))
-		if json.Unmarshal(body, &st) == nil && st.Message != "" {
-			msg = st.Message
-		}
-		return nil, fmt.Errorf("get pod %s/%s from %s: %s: %s", ns, name, base.Host, resp.Status, msg)
-	}
 	var pod corev1.Pod
-	if err := json.Unmarshal(body, &pod); err != nil {
-		return nil, fmt.Errorf("get pod %s/%s: parse the answer: %w", ns, name, err)
+	if err := c.Get(ctx, "api/v1/namespaces/"+ns+"/pods/"+name, nil, &pod); err != nil {
+		var se *kubeget.StatusError
+		if errors.As(err, &se) {
+			return nil, fmt.Errorf("get pod %s/%s from %s: %s: %s", ns, name, c.Host(), se.Status, se.Message)
+		}
+		return nil, fmt.Errorf("get pod %s/%s from %s: %w", ns, name, c.Host(), err)
 	}
 	return &pod, nil
 }

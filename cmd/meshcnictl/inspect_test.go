@@ -90,7 +90,7 @@ func TestInspectUsage(t *testing.T) {
 	}{
 		{"nothing to inspect", []string{"inspect"}, "give a pod"},
 		{"two arguments", []string{"inspect", "a", "b"}, "accepts at most 1 arg"},
-		{"bad output", []string{"inspect", "-o", "yaml", "web"}, `-o "yaml"`},
+		{"bad output", []string{"inspect", "-o", "wide", "web"}, `-o "wide": want text, json or yaml`},
 		{"unknown flag", []string{"inspect", "--bogus"}, "unknown flag: --bogus"},
 		{"bad backend", []string{"inspect", "--backend", "pf", "web"}, "--backend"},
 		{"netns twice", []string{"inspect", "--netns", missing, missing}, "either as the argument or with --netns"},

@@ -32,7 +32,7 @@ var errReported = errors.New("reported")
 func newIstioIptablesCmd() *cobra.Command {
 	return &cobra.Command{
 		Use:   "istio-iptables [istio-iptables flags]",
-		Short: "istio-iptables' command line: validate with --run-validation, else apply (--cleanup-only: clean, --dry-run: render)",
+		Short: "Serve Istio's istio-iptables command line with meshcni: validate, apply, clean or render the redirect",
 		Long: `istio-iptables takes the arguments Istio's injector renders for its proxy-init image
 and does what pilot-agent's istio-iptables does with them, through meshcni:
 

@@ -1,6 +1,8 @@
-// Command meshcnictl renders, applies, checks and cleans meshcni's traffic-redirect
-// rules by hand, validates a pod's redirect from inside it (the validation init
-// container), explains what meshcni would do to a pod and inspects a pod's live rules.
+// Command meshcnictl checks a cluster before and during a switch between Istio's
+// istio-cni and meshcni (precheck), reports versions, explains what meshcni does to
+// a pod and inspects a pod's live rules, renders, applies, checks and cleans the
+// redirect rules by hand, and validates a pod's redirect from inside it (the
+// validation init container). Its logic lives in pkg/.
 package main
 
 import (

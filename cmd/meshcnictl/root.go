@@ -22,8 +22,18 @@ var subcommands []func() *cobra.Command
 
 func newRoot() *cobra.Command {
 	root := &cobra.Command{
-		Use:           "meshcnictl",
-		Short:         "Render, apply, check and clean meshcni's sidecar redirect rules; validate, explain and inspect pods",
+		Use:   "meshcnictl",
+		Short: "Check and operate meshcni's sidecar traffic redirect",
+		Long: `meshcnictl is meshcni's command line for operators and for pods:
+
+  precheck         before and during a switch between Istio's istio-cni and meshcni:
+                   would any pod be left unredirected (cluster-wide, read-only)
+  version          meshcnictl's version and the agent's on each node
+  explain POD      whether meshcni redirects a pod, why, and with which rules
+  inspect POD      a pod's live rules on this node, compared with the desired ones
+  rules            render, apply, check or remove redirect rules by hand
+  validate         prove the redirect works, from inside a pod (istio-validation)
+  istio-iptables   Istio's proxy-init command line, served by meshcni`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
