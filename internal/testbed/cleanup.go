@@ -74,6 +74,7 @@ func cleanup(ctx context.Context, log *slog.Logger) error {
 			errs = append(errs, fmt.Errorf("delete bridge %s: %w", BridgeName, err))
 		}
 	}
+	killCgroupProcs(nodeCgroupDirs(""))
 	if err := removeCgroups(); err != nil {
 		errs = append(errs, err)
 	}

@@ -9,8 +9,10 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -307,8 +309,10 @@ func (n *Node) Remove(ctx context.Context) error {
 	}
 	began := time.Now()
 	var errs []error
-	if err := n.drain(ctx); err != nil {
-		errs = append(errs, err)
+	if n.kubelet != nil && !n.kubelet.exited() {
+		if err := n.drain(ctx); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	n.stopProcesses(ctx)
 	cs := n.tb.Client
@@ -324,6 +328,34 @@ func (n *Node) Remove(ctx context.Context) error {
 	n.tb.forget(n)
 	n.tb.log.Info("node removed", "node", n.Name, "took", time.Since(began).Round(time.Millisecond))
 	return errors.Join(errs...)
+}
+
+// Kill makes the node die abruptly: its kubelet, containerd, shims and pods (all
+// of its cgroup tree) get SIGKILL and its link to the host is deleted. The Node object stays (it goes
+// NotReady once its lease expires); Remove then deletes it and its pods and
+// removes its traces.
+func (n *Node) Kill() error {
+	if n.Primary() || !n.tb.owned {
+		return errors.New("testbed: Kill needs an extra node of a test bed this process started")
+	}
+	match := nodeMember(n.plan)
+	for _, p := range ourProcesses() {
+		if match(p) {
+			_ = syscall.Kill(p.pid, syscall.SIGKILL)
+		}
+	}
+	for _, c := range []*component{n.kubelet, n.containerd} {
+		if c != nil {
+			c.stop(0)
+		}
+	}
+	killCgroupProcs(nodeCgroupDirs(n.Name))
+	if l, err := netlink.LinkByName(n.plan.HostVeth()); err == nil {
+		if err := netlink.LinkDel(l); err != nil {
+			return fmt.Errorf("delete %s: %w", n.plan.HostVeth(), err)
+		}
+	}
+	return nil
 }
 
 // drain cordons the node and evicts its pods (DaemonSets' excepted), waiting

@@ -35,7 +35,8 @@ func nodeEchoPod(name, node string) *corev1.Pod {
 // with real TCP, and the server sees the client's pod IP (no NAT); a pod on an
 // extra node reaches the API server at NodeIP:6443; a node is removed (drained,
 // Node deleted, its veth, cgroups, namespaces and directory gone) and another
-// joins the running cluster and runs a pod; Stop leaves nothing behind.
+// joins the running cluster and runs a pod, then dies (Kill) without disturbing
+// the others and is removed; Stop leaves nothing behind.
 func TestThreeNodes(t *testing.T) {
 	requireOwnTestbed(t)
 	tb := start(t, Options{Nodes: 3})
@@ -159,6 +160,28 @@ func TestThreeNodes(t *testing.T) {
 	})
 	if err != nil {
 		t.Fatalf("node 1's pod to the joined node's pod: %v", err)
+	}
+
+	// The joined node dies (Kill); the others keep working; Remove then cleans
+	// up its Node, its pod and its traces.
+	if err := joined.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	err = tb.InPodNetns(ctx, "default", "echo-1", func() error {
+		_, err := echoRoundTrip(net.JoinHostPort(pods[nodes[1].Name].Status.PodIP, strconv.Itoa(EchoPort)))
+		return err
+	})
+	if err != nil {
+		t.Fatalf("node 1's pod to node 2's pod after a node died: %v", err)
+	}
+	if err := joined.Remove(ctx); err != nil {
+		t.Fatalf("remove the dead node: %v", err)
+	}
+	if _, err := tb.Client.CoreV1().Pods("default").Get(ctx, "echo-j", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("pod echo-j of the dead node still exists (%v)", err)
+	}
+	if left := nodeTraces(joined); len(left) > 0 {
+		t.Fatalf("dead node %s left after Remove: %v", joined.Name, left)
 	}
 
 	stopClean(t, tb)

@@ -333,6 +333,7 @@ func teardownNode(p nodePlan) error {
 	if err := removeLink(p.HostVeth()); err != nil {
 		errs = append(errs, err)
 	}
+	killCgroupProcs(nodeCgroupDirs(p.Name))
 	if err := removeCgroupTrees(nodeCgroupDirs(p.Name)); err != nil {
 		errs = append(errs, err)
 	}
@@ -451,4 +452,58 @@ func nodeLinks() []string {
 		}
 	}
 	return out
+}
+
+// killCgroupProcs SIGKILLs every process in the cgroup trees of roots (a node's
+// pods, whoever their parent is now) and waits until they are gone, reaping those
+// re-parented to this process.
+func killCgroupProcs(roots []string) {
+	for range 50 {
+		pids := cgroupProcs(roots)
+		if len(pids) == 0 {
+			return
+		}
+		for _, pid := range pids {
+			_ = unix.Kill(pid, unix.SIGKILL)
+		}
+		time.Sleep(50 * time.Millisecond)
+		reapChildren(pids)
+	}
+}
+
+func cgroupProcs(roots []string) []int {
+	seen := map[int]bool{}
+	var out []int
+	for _, root := range roots {
+		_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+			if err != nil || d.IsDir() || d.Name() != "cgroup.procs" {
+				return nil
+			}
+			b, _ := os.ReadFile(p)
+			for _, f := range strings.Fields(string(b)) {
+				if pid, err := strconv.Atoi(f); err == nil && !seen[pid] {
+					seen[pid] = true
+					out = append(out, pid)
+				}
+			}
+			return nil
+		})
+	}
+	return out
+}
+
+// reapChildren waits for those of pids that are zombie children of this process
+// and not started through exec.Cmd.
+func reapChildren(pids []int) {
+	self := os.Getpid()
+	for _, pid := range pids {
+		managedMu.Lock()
+		mine := managed[pid]
+		managedMu.Unlock()
+		if mine || ppidOf(pid) != self {
+			continue
+		}
+		var ws unix.WaitStatus
+		_, _ = unix.Wait4(pid, &ws, unix.WNOHANG, nil)
+	}
 }
