@@ -227,7 +227,9 @@ func (n *Node) start(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	tb.mu.Lock()
 	n.containerd, n.containerdPID = cd, cd.cmd.Process.Pid
+	tb.mu.Unlock()
 	_ = tb.writeState(false)
 	if err := waitFor(ctx, cd, "containerd of node "+p.Name, func() error {
 		out, err := exec.CommandContext(ctx, "ctr", "--address", n.criSocket(), "version").CombinedOutput()
@@ -249,10 +251,14 @@ func (n *Node) start(ctx context.Context) error {
 		<-imported
 		return err
 	}
+	tb.mu.Lock()
 	n.kubelet = kl
+	tb.mu.Unlock()
 	_ = tb.writeState(false)
 	rerr := waitFor(ctx, kl, "node "+p.Name+" Ready", func() error { return nodeReady(ctx, tb.Client, p.Name) })
+	tb.mu.Lock()
 	n.StartupTime = time.Since(began)
+	tb.mu.Unlock()
 	if err := errors.Join(rerr, <-imported); err != nil {
 		return err
 	}
