@@ -34,8 +34,10 @@ func cleanup(ctx context.Context, log *slog.Logger) error {
 			return strings.HasPrefix(p.comm, "kube-") || p.comm == "kubelet"
 		}, 10*time.Second)
 		if names["containerd"] {
-			if err := removePods(ctx, log); err != nil {
-				log.Warn("removing pods through CRI failed; killing them", "err", err)
+			for _, t := range criTargets(procs) {
+				if err := removePodsAt(ctx, log, t.sock, t.confDir, t.conf); err != nil {
+					log.Warn("removing pods through CRI failed; killing them", "containerd", t.sock, "err", err)
+				}
 			}
 		}
 		// Pods' processes (descendants of the shims) before the shims, the shims
@@ -47,8 +49,20 @@ func cleanup(ctx context.Context, log *slog.Logger) error {
 			errs = append(errs, fmt.Errorf("processes still running: %v", describe(left)))
 		}
 	}
+	// Extra nodes were used: their links, and the API server's DNAT (only
+	// installed for them, so a one-node test bed does not pay for its removal).
+	_, err := os.Stat(nodesDir)
+	nodesUsed := err == nil
 	if err := unmountUnder(BaseDir, RunDir); err != nil {
 		errs = append(errs, err)
+	}
+	for _, l := range nodeLinks() {
+		if err := removeLink(l); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if nodesUsed {
+		removeAPIEndpoint()
 	}
 	for _, d := range []string{BaseDir, RunDir} {
 		if err := os.RemoveAll(d); err != nil {
@@ -60,11 +74,48 @@ func cleanup(ctx context.Context, log *slog.Logger) error {
 			errs = append(errs, fmt.Errorf("delete bridge %s: %w", BridgeName, err))
 		}
 	}
+	killCgroupProcs(nodeCgroupDirs(""))
 	if err := removeCgroups(); err != nil {
 		errs = append(errs, err)
 	}
 	removePortmapChains()
 	return errors.Join(errs...)
+}
+
+// criTarget is a containerd to remove pods through, and the CNI configuration
+// to restore if CNI DEL fails.
+type criTarget struct {
+	sock, confDir string
+	conf          []byte
+}
+
+// criTargets are the live containerds among procs: node 1's, and each extra
+// node's as the host sees its socket.
+func criTargets(procs []procInfo) []criTarget {
+	byPID := map[int]nodeState{}
+	if s, err := readState(); err == nil {
+		for _, n := range s.Nodes {
+			byPID[n.ContainerdPID] = n
+		}
+	}
+	self := inode("/proc/self/ns/mnt")
+	var out []criTarget
+	for _, p := range procs {
+		if p.comm != "containerd" {
+			continue
+		}
+		if inode(fmt.Sprintf("/proc/%d/ns/mnt", p.pid)) == self {
+			out = append(out, criTarget{containerdSocket, CNIConfDir, DefaultConflist()})
+			continue
+		}
+		t := criTarget{sock: fmt.Sprintf("/proc/%d/root%s", p.pid, containerdSocket)}
+		if ns, ok := byPID[p.pid]; ok {
+			n := ns.node(nil)
+			t.confDir, t.conf = n.CNIConfDir(), n.DefaultConflist()
+		}
+		out = append(out, t)
+	}
+	return out
 }
 
 func describe(ps []procInfo) []string {
@@ -176,12 +227,15 @@ func cgroupRoots() []string {
 		m, _ := filepath.Glob(pat)
 		out = append(out, m...)
 	}
-	return out
+	return append(out, nodeCgroupDirs("")...)
 }
 
-func removeCgroups() error {
+func removeCgroups() error { return removeCgroupTrees(cgroupRoots()) }
+
+// removeCgroupTrees removes each cgroup directory of roots, depth first.
+func removeCgroupTrees(roots []string) error {
 	var left []string
-	for _, root := range cgroupRoots() {
+	for _, root := range roots {
 		var dirs []string
 		_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
 			if err == nil && d.IsDir() {
@@ -237,6 +291,12 @@ func Leftovers() []string {
 		if _, err := os.Stat(d); err == nil {
 			out = append(out, "directory "+d)
 		}
+	}
+	if links := nodeLinks(); len(links) > 0 {
+		out = append(out, fmt.Sprintf("node links: %v", links))
+	}
+	if apiEndpointPresent() {
+		out = append(out, "iptables nat DNAT rule "+apiDNATComment)
 	}
 	if present, _ := portmapChainsPresent(); present {
 		out = append(out, "iptables nat chain CNI-HOSTPORT-DNAT")

@@ -51,6 +51,16 @@ oom_score = 0
 }
 
 func kubeletConfig() string {
+	return kubeletConfigFor(NodeIP, pkiPath("kubelet-serving.crt"), pkiPath("kubelet-serving.key"), "")
+}
+
+// kubeletConfigFor renders a KubeletConfiguration for a node at nodeIP serving
+// with cert and key; cgroupRoot, when set, is the node's own cgroup tree.
+func kubeletConfigFor(nodeIP, cert, key, cgroupRoot string) string {
+	extra := ""
+	if cgroupRoot != "" {
+		extra = fmt.Sprintf("cgroupRoot: %q\n", cgroupRoot)
+	}
 	return fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 address: %q
@@ -91,15 +101,18 @@ fileCheckFrequency: 20s
 serializeImagePulls: false
 maxPods: 110
 protectKernelDefaults: false
-`, NodeIP, KubeletPort, KubeletHealthzPort, containerdSocket, podLogsDir,
-		pkiPath("kubelet-serving.crt"), pkiPath("kubelet-serving.key"), pkiPath("ca.crt"))
+%s`, nodeIP, KubeletPort, KubeletHealthzPort, containerdSocket, podLogsDir,
+		cert, key, pkiPath("ca.crt"), extra)
 }
 
 // DefaultPlugins returns the reference plugin chain of the default CNI
 // configuration: bridge (on BridgeName, gateway NodeIP) with host-local IPAM over
 // PodCIDR, then portmap. Callers append their own plugin (e.g. meshcni) and pass the
 // result to Conflist.
-func DefaultPlugins() []map[string]any {
+func DefaultPlugins() []map[string]any { return plugins(PodCIDR, NodeIP) }
+
+// plugins is the reference chain on the pod range cidr with gateway gw.
+func plugins(cidr, gw string) []map[string]any {
 	return []map[string]any{
 		{
 			"type":             "bridge",
@@ -112,7 +125,7 @@ func DefaultPlugins() []map[string]any {
 			"isDefaultGateway": true,
 			"ipam": map[string]any{
 				"type":    "host-local",
-				"ranges":  [][]map[string]string{{{"subnet": PodCIDR, "gateway": NodeIP}}},
+				"ranges":  [][]map[string]string{{{"subnet": cidr, "gateway": gw}}},
 				"dataDir": filepath.Join(BaseDir, "cni", "ipam"),
 			},
 		},
@@ -146,26 +159,28 @@ func DefaultConflist() []byte {
 // WriteConflist replaces the test bed's CNI configuration: it removes every file
 // of CNIConfDir and writes data as DefaultConflistName (atomically). New pod
 // sandboxes use it at once; running pods keep their network.
-func WriteConflist(data []byte) error {
-	if err := os.MkdirAll(CNIConfDir, 0o755); err != nil {
+func WriteConflist(data []byte) error { return writeConflistIn(CNIConfDir, data) }
+
+func writeConflistIn(dir string, data []byte) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	ents, err := os.ReadDir(CNIConfDir)
+	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return err
 	}
 	for _, e := range ents {
 		if e.Name() != DefaultConflistName {
-			if err := os.RemoveAll(filepath.Join(CNIConfDir, e.Name())); err != nil {
+			if err := os.RemoveAll(filepath.Join(dir, e.Name())); err != nil {
 				return err
 			}
 		}
 	}
-	tmp := filepath.Join(CNIConfDir, "."+DefaultConflistName+".tmp")
+	tmp := filepath.Join(dir, "."+DefaultConflistName+".tmp")
 	if err := os.WriteFile(tmp, data, 0o644); err != nil {
 		return err
 	}
-	if err := os.Rename(tmp, filepath.Join(CNIConfDir, DefaultConflistName)); err != nil {
+	if err := os.Rename(tmp, filepath.Join(dir, DefaultConflistName)); err != nil {
 		return fmt.Errorf("write conflist: %w", err)
 	}
 	return nil
@@ -173,19 +188,21 @@ func WriteConflist(data []byte) error {
 
 // InstallCNIPlugin copies a plugin binary into CNIBinDir under name (atomically,
 // so a running containerd never sees a partial file).
-func InstallCNIPlugin(src, name string) error {
+func InstallCNIPlugin(src, name string) error { return installPluginIn(CNIBinDir, src, name) }
+
+func installPluginIn(dir, src, name string) error {
 	data, err := os.ReadFile(src)
 	if err != nil {
 		return fmt.Errorf("install CNI plugin %s: %w", name, err)
 	}
-	if err := os.MkdirAll(CNIBinDir, 0o755); err != nil {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	tmp := filepath.Join(CNIBinDir, "."+name+".tmp")
+	tmp := filepath.Join(dir, "."+name+".tmp")
 	if err := os.WriteFile(tmp, data, 0o755); err != nil {
 		return fmt.Errorf("install CNI plugin %s: %w", name, err)
 	}
-	if err := os.Rename(tmp, filepath.Join(CNIBinDir, name)); err != nil {
+	if err := os.Rename(tmp, filepath.Join(dir, name)); err != nil {
 		return fmt.Errorf("install CNI plugin %s: %w", name, err)
 	}
 	return nil

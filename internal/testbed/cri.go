@@ -12,17 +12,19 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 )
 
-// criClient talks CRI to the test bed's containerd.
+// criClient talks CRI to a containerd of the test bed.
 type criClient struct {
 	conn *grpc.ClientConn
 	rt   runtimeapi.RuntimeServiceClient
 }
 
-func dialCRI() (*criClient, error) {
-	if _, err := os.Stat(containerdSocket); err != nil {
+// dialCRIAt talks CRI to the containerd listening on sock (a node's socket as
+// the host sees it: /proc/<containerd pid>/root/...).
+func dialCRIAt(sock string) (*criClient, error) {
+	if _, err := os.Stat(sock); err != nil {
 		return nil, fmt.Errorf("containerd socket: %w", err)
 	}
-	conn, err := grpc.NewClient("unix://"+containerdSocket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		return nil, fmt.Errorf("dial CRI: %w", err)
 	}

@@ -1,5 +1,5 @@
-// Package testbed brings up a real single-node Kubernetes on this machine for tests
-// and the demo: etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+// Package testbed brings up a real Kubernetes on this machine for tests and the
+// demo, with one node or a few: etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
 // kubelet and a test-bed-owned containerd, with no kube-proxy and no registry.
 //
 // Everything lives in test-bed-owned places (see the constants in layout.go): state
@@ -18,7 +18,13 @@
 // serialise on it even under a parallel `go test ./...`; Shared starts one per test
 // binary (or attaches to one started by `hack/testbed up`).
 //
+// Extra nodes (Options.Nodes, AddNode, Node.Remove, Node.Kill) each run their own
+// containerd and kubelet in their own network and mount namespaces, with their own
+// node IP, pod range, CNI directories, kubelet root and cgroup root (node.go,
+// nodens.go, nodeplan.go); pods reach each other across nodes by pod IP.
+//
 // There is no kube-proxy: pods reach the API server only with hostNetwork and
 // KUBERNETES_SERVICE_HOST=127.0.0.1, KUBERNETES_SERVICE_PORT=6443 (see
-// APIServerEnv).
+// APIServerEnv), or, once an extra node has joined, from every node and pod at
+// ClusterAPIServerHost (ClusterAPIServerEnv).
 package testbed

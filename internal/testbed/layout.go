@@ -96,3 +96,13 @@ func APIServerEnv() []corev1.EnvVar {
 		{Name: "KUBERNETES_SERVICE_PORT", Value: strconv.Itoa(APIServerPort)},
 	}
 }
+
+// ClusterAPIServerEnv is APIServerEnv for a test bed with several nodes: the API
+// server at ClusterAPIServerHost, which every node and pod (hostNetwork or not)
+// reaches once an extra node has joined.
+func ClusterAPIServerEnv() []corev1.EnvVar {
+	return []corev1.EnvVar{
+		{Name: "KUBERNETES_SERVICE_HOST", Value: ClusterAPIServerHost},
+		{Name: "KUBERNETES_SERVICE_PORT", Value: strconv.Itoa(APIServerPort)},
+	}
+}

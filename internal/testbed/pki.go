@@ -139,7 +139,10 @@ func firstServiceIP() string {
 	return net.IPv4(ip[0], ip[1], ip[2], ip[3]+1).String()
 }
 
-func (p *pki) issue(s certSpec) error {
+func (p *pki) issue(s certSpec) error { return p.issueIn(pkiDir, s) }
+
+// issueIn writes the certificate s and its key into dir.
+func (p *pki) issueIn(dir string, s certSpec) error {
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		return err
@@ -170,18 +173,24 @@ func (p *pki) issue(s certSpec) error {
 	if err != nil {
 		return err
 	}
-	if err := writePEM(filepath.Join(pkiDir, s.file+".crt"), "CERTIFICATE", der, 0o644); err != nil {
+	if err := writePEM(filepath.Join(dir, s.file+".crt"), "CERTIFICATE", der, 0o644); err != nil {
 		return err
 	}
-	return writePEM(filepath.Join(pkiDir, s.file+".key"), "EC PRIVATE KEY", keyDER, 0o600)
+	return writePEM(filepath.Join(dir, s.file+".key"), "EC PRIVATE KEY", keyDER, 0o600)
 }
 
 func (p *pki) writeKubeconfig(path, cert string) error {
-	crt, err := os.ReadFile(filepath.Join(pkiDir, cert+".crt"))
+	return p.writeKubeconfigFor(path, pkiDir, cert, APIServerHost)
+}
+
+// writeKubeconfigFor writes a kubeconfig for the certificate cert of dir that
+// reaches the API server at host.
+func (p *pki) writeKubeconfigFor(path, dir, cert, host string) error {
+	crt, err := os.ReadFile(filepath.Join(dir, cert+".crt"))
 	if err != nil {
 		return err
 	}
-	key, err := os.ReadFile(filepath.Join(pkiDir, cert+".key"))
+	key, err := os.ReadFile(filepath.Join(dir, cert+".key"))
 	if err != nil {
 		return err
 	}
@@ -204,8 +213,34 @@ contexts:
     cluster: meshcni-testbed
     user: %s
 current-context: meshcni-testbed
-`, APIServerHost, APIServerPort, b64(p.caPEM), cert, b64(crt), b64(key), cert)
+`, host, APIServerPort, b64(p.caPEM), cert, b64(crt), b64(key), cert)
 	return os.WriteFile(path, []byte(kc), 0o600)
+}
+
+// loadPKI reads the running test bed's certificate authority.
+func loadPKI() (*pki, error) {
+	caPEM, err := os.ReadFile(pkiPath("ca.crt"))
+	if err != nil {
+		return nil, err
+	}
+	keyPEM, err := os.ReadFile(pkiPath("ca.key"))
+	if err != nil {
+		return nil, err
+	}
+	cb, _ := pem.Decode(caPEM)
+	kb, _ := pem.Decode(keyPEM)
+	if cb == nil || kb == nil {
+		return nil, fmt.Errorf("%s: not PEM", pkiDir)
+	}
+	cert, err := x509.ParseCertificate(cb.Bytes)
+	if err != nil {
+		return nil, fmt.Errorf("parse CA certificate: %w", err)
+	}
+	key, err := x509.ParseECPrivateKey(kb.Bytes)
+	if err != nil {
+		return nil, fmt.Errorf("parse CA key: %w", err)
+	}
+	return &pki{caCert: cert, caKey: key, caPEM: caPEM}, nil
 }
 
 func pkiPath(name string) string { return filepath.Join(pkiDir, name) }

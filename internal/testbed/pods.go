@@ -228,16 +228,17 @@ func (tb *Testbed) Exec(ctx context.Context, namespace, name, container string, 
 }
 
 // PodNetns returns the host path of a running pod's network namespace, found
-// through the runtime (CRI sandbox status).
+// through the runtime (CRI sandbox status) of the pod's node.
 func (tb *Testbed) PodNetns(ctx context.Context, namespace, name string) (string, error) {
 	p, err := tb.Client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
 	if err != nil {
 		return "", fmt.Errorf("pod %s/%s: %w", namespace, name, err)
 	}
+	node := tb.nodeOfPod(p)
 	if p.Spec.HostNetwork {
-		return "/proc/1/ns/net", nil
+		return node.Netns(), nil
 	}
-	cri, err := dialCRI()
+	cri, err := dialCRIAt(node.criSocket())
 	if err != nil {
 		return "", err
 	}
@@ -246,7 +247,10 @@ func (tb *Testbed) PodNetns(ctx context.Context, namespace, name string) (string
 	if err != nil {
 		return "", fmt.Errorf("netns of pod %s/%s: %w", namespace, name, err)
 	}
-	return path, nil
+	if strings.HasPrefix(path, "/proc/") { // a pid: the nodes share the host's pid namespace
+		return path, nil
+	}
+	return node.HostPath(path), nil
 }
 
 // InPodNetns runs fn on a locked OS thread inside the pod's network namespace

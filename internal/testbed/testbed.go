@@ -59,6 +59,10 @@ type Options struct {
 	// bed started without it is exclusive: other processes' Start waits for its
 	// Stop (LockFile).
 	Shared bool
+	// Nodes is how many nodes run (full mode): node 1 (NodeName) on the host and
+	// Nodes-1 extra nodes named NodeName-2, NodeName-3, …, started in parallel
+	// once node 1 is Ready. 0 means 1.
+	Nodes int
 }
 
 // ErrRunning is returned by Start when another process runs a shared test bed
@@ -81,7 +85,10 @@ type Testbed struct {
 	log      *slog.Logger
 	owned    bool
 	shared   bool
+	mu       sync.Mutex // guards comps and nodes
 	comps    []*component
+	nodes    []*Node // extra nodes, in order of joining
+	control  io.Closer
 	lock     *os.File
 	stopOnce sync.Once
 	stopErr  error
@@ -95,6 +102,7 @@ type state struct {
 	Ready      bool         `json:"ready"`
 	Started    time.Time    `json:"started"`
 	Components []stateEntry `json:"components"`
+	Nodes      []nodeState  `json:"nodes,omitempty"`
 }
 
 type stateEntry struct {
@@ -204,6 +212,14 @@ func Start(ctx context.Context, opts Options) (tb *Testbed, err error) {
 	if err := tb.start(sctx, opts); err != nil {
 		return tb, err
 	}
+	if err := tb.startNodes(sctx, opts.Nodes); err != nil {
+		return tb, err
+	}
+	if opts.Shared {
+		if tb.control, err = serveControl(tb); err != nil {
+			return tb, err
+		}
+	}
 	if err := tb.writeState(true); err != nil {
 		return tb, err
 	}
@@ -286,9 +302,14 @@ func checkPorts(mode Mode) error {
 
 func (tb *Testbed) writeState(ready bool) error {
 	s := state{OwnerPID: os.Getpid(), Mode: tb.Mode, Shared: tb.shared, Ready: ready, Started: time.Now()}
+	tb.mu.Lock()
 	for _, c := range tb.comps {
 		s.Components = append(s.Components, stateEntry{Name: c.name, PID: c.cmd.Process.Pid})
 	}
+	for _, n := range tb.nodes {
+		s.Nodes = append(s.Nodes, n.state())
+	}
+	tb.mu.Unlock()
 	b, err := json.MarshalIndent(s, "", "  ")
 	if err != nil {
 		return err
@@ -301,11 +322,15 @@ func (tb *Testbed) writeState(ready bool) error {
 }
 
 func (tb *Testbed) add(c *component) {
+	tb.mu.Lock()
 	tb.comps = append(tb.comps, c)
+	tb.mu.Unlock()
 	_ = tb.writeState(false)
 }
 
 func (tb *Testbed) comp(name string) *component {
+	tb.mu.Lock()
+	defer tb.mu.Unlock()
 	for _, c := range tb.comps {
 		if c.name == name {
 			return c
@@ -534,8 +559,23 @@ func (tb *Testbed) startRuntime(ctx context.Context, opts Options) error {
 // ImportImage imports a docker or OCI archive into the test bed's containerd (the
 // k8s.io namespace the kubelet uses). Pods then use the image with
 // imagePullPolicy: Never (or IfNotPresent with a non-latest tag).
+// With several nodes it imports into every node's containerd, and nodes that join
+// later import it too.
 func ImportImage(ctx context.Context, archive string) error {
-	out, err := exec.CommandContext(ctx, "ctr", "--address", containerdSocket, "-n", "k8s.io",
+	if err := importInto(ctx, containerdSocket, archive); err != nil {
+		return err
+	}
+	recordImport(archive)
+	for _, n := range runningNodes() {
+		if err := importInto(ctx, n.criSocket(), archive); err != nil {
+			return fmt.Errorf("node %s: %w", n.Name, err)
+		}
+	}
+	return nil
+}
+
+func importInto(ctx context.Context, sock, archive string) error {
+	out, err := exec.CommandContext(ctx, "ctr", "--address", sock, "-n", "k8s.io",
 		"images", "import", archive).CombinedOutput()
 	if err != nil {
 		return fmt.Errorf("import image archive %s: %w: %s", archive, err, strings.TrimSpace(string(out)))
@@ -657,6 +697,10 @@ func (tb *Testbed) Stop(ctx context.Context) error {
 	tb.stopOnce.Do(func() {
 		began := time.Now()
 		var errs []error
+		if tb.control != nil {
+			_ = tb.control.Close()
+		}
+		errs = append(errs, tb.stopNodes(ctx))
 		for _, n := range []string{"kube-controller-manager", "kube-scheduler", "kubelet"} {
 			if c := tb.comp(n); c != nil {
 				c.stop(10 * time.Second)
@@ -688,7 +732,13 @@ func (tb *Testbed) Stop(ctx context.Context) error {
 // removePods removes every pod sandbox through CRI. If CNI DEL fails (a test left a
 // broken configuration) it restores the default configuration and retries.
 func removePods(ctx context.Context, log *slog.Logger) error {
-	cri, err := dialCRI()
+	return removePodsAt(ctx, log, containerdSocket, CNIConfDir, DefaultConflist())
+}
+
+// removePodsAt removes every pod sandbox of the containerd at sock; on a CNI DEL
+// failure it writes conf into confDir and retries.
+func removePodsAt(ctx context.Context, log *slog.Logger, sock, confDir string, conf []byte) error {
+	cri, err := dialCRIAt(sock)
 	if err != nil {
 		return err
 	}
@@ -696,8 +746,11 @@ func removePods(ctx context.Context, log *slog.Logger) error {
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	if err := cri.removeAll(ctx); err != nil {
+		if confDir == "" {
+			return fmt.Errorf("remove pods: %w", err)
+		}
 		log.Warn("removing pods failed; retrying with the default CNI configuration", "err", err)
-		if werr := WriteConflist(DefaultConflist()); werr != nil {
+		if werr := writeConflistIn(confDir, conf); werr != nil {
 			return errors.Join(err, werr)
 		}
 		if err := cri.removeAll(ctx); err != nil {
@@ -760,4 +813,50 @@ func ignoreNotFound(err error) error {
 		return nil
 	}
 	return err
+}
+
+// startNodes adds the extra nodes of a test bed of total nodes, in parallel.
+func (tb *Testbed) startNodes(ctx context.Context, total int) error {
+	if total <= 1 {
+		return nil
+	}
+	if tb.Mode != ModeFull {
+		return errors.New("testbed: nodes need a full test bed")
+	}
+	if total > MaxNodes {
+		return fmt.Errorf("testbed: at most %d nodes", MaxNodes)
+	}
+	errc := make(chan error, total-1)
+	for k := 2; k <= total; k++ {
+		go func() {
+			_, err := tb.addNode(ctx, fmt.Sprintf("%s-%d", NodeName, k), k)
+			errc <- err
+		}()
+	}
+	var errs []error
+	for k := 2; k <= total; k++ {
+		errs = append(errs, <-errc)
+	}
+	return errors.Join(errs...)
+}
+
+// stopNodes stops every extra node's daemons (in parallel) and removes its
+// traces; Stop then stops node 1 and the control plane.
+func (tb *Testbed) stopNodes(ctx context.Context) error {
+	tb.mu.Lock()
+	nodes := tb.nodes
+	tb.nodes = nil
+	tb.mu.Unlock()
+	errc := make(chan error, len(nodes))
+	for _, n := range nodes {
+		go func() {
+			n.stopProcesses(ctx)
+			errc <- teardownNode(n.plan)
+		}()
+	}
+	var errs []error
+	for range nodes {
+		errs = append(errs, <-errc)
+	}
+	return errors.Join(errs...)
 }

@@ -368,9 +368,16 @@ func TestShared(t *testing.T) {
 
 // TestDownAfterCrash: the owner of a full test bed with a running pod is killed
 // (SIGKILL, no Stop); Down then removes every trace and a new Start works.
-func TestDownAfterCrash(t *testing.T) {
-	if os.Getenv("MESHCNI_TESTBED_CRASH_CHILD") == "1" {
-		crashChild(t)
+func TestDownAfterCrash(t *testing.T) { crashThenDown(t, 1) }
+
+// TestDownAfterCrashWithNodes is TestDownAfterCrash with a second node running a
+// pod: Down finds and removes the extra node's processes, namespaces, veth,
+// cgroups and directories too.
+func TestDownAfterCrashWithNodes(t *testing.T) { crashThenDown(t, 2) }
+
+func crashThenDown(t *testing.T, nodes int) {
+	if n, err := strconv.Atoi(os.Getenv("MESHCNI_TESTBED_CRASH_CHILD")); err == nil {
+		crashChild(t, n)
 		return
 	}
 	requireOwnTestbed(t)
@@ -379,8 +386,8 @@ func TestDownAfterCrash(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(self, "-test.run=^TestDownAfterCrash$", "-test.v")
-	cmd.Env = append(os.Environ(), "MESHCNI_TESTBED_CRASH_CHILD=1")
+	cmd := exec.Command(self, "-test.run=^"+t.Name()+"$", "-test.v")
+	cmd.Env = append(os.Environ(), "MESHCNI_TESTBED_CRASH_CHILD="+strconv.Itoa(nodes))
 	var out strings.Builder
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Start(); err != nil {
@@ -417,9 +424,9 @@ func TestDownAfterCrash(t *testing.T) {
 	stopClean(t, tb)
 }
 
-func crashChild(t *testing.T) {
+func crashChild(t *testing.T, nodes int) {
 	ctx := context.Background()
-	tb, err := Start(ctx, Options{})
+	tb, err := Start(ctx, Options{Nodes: nodes})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -428,6 +435,15 @@ func crashChild(t *testing.T) {
 	}
 	if _, err := tb.WaitPodReady(ctx, "default", "crash"); err != nil {
 		t.Fatal(err)
+	}
+	for i, n := range tb.Nodes()[1:] {
+		name := "crash-" + strconv.Itoa(i+2)
+		if _, err := tb.CreatePod(ctx, nodeEchoPod(name, n.Name)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tb.WaitPodReady(ctx, "default", name); err != nil {
+			t.Fatal(err)
+		}
 	}
 	if err := os.WriteFile(RunDir+"/crash-child-ready", []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
 		t.Fatal(err)

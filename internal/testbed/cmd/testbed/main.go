@@ -2,7 +2,10 @@
 // builds and runs it.
 //
 //	testbed build            build and cache the binaries (idempotent)
-//	testbed up [--api-only]  start a test bed in the background
+//	testbed up [--api-only] [--nodes N]
+//	                         start a test bed in the background (N nodes)
+//	testbed node add NAME    join a node to the running test bed
+//	testbed node remove NAME drain and remove it, with every trace
 //	testbed down [--force]   stop it and remove every trace (idempotent); --force
 //	                         also stops a test bed a running test owns
 //	testbed env              print shell exports for `eval "$(hack/testbed env)"`
@@ -18,6 +21,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"syscall"
 	"time"
 
@@ -43,6 +47,8 @@ func main() {
 		err = up(ctx, log, os.Args[2:])
 	case "serve":
 		err = serve(log, os.Args[2:])
+	case "node":
+		err = node(ctx, os.Args[2:])
 	case "down":
 		err = testbed.Down(ctx, log, parseDown(os.Args[2:]))
 		if err == nil {
@@ -55,6 +61,7 @@ func main() {
 	case "status":
 		if mode, pid, ok := testbed.Running(); ok {
 			fmt.Printf("running: mode=%s owner pid=%d kubeconfig=%s\n", mode, pid, testbed.KubeconfigPath())
+			printNodes(ctx)
 		} else if pid, _, ok := testbed.Busy(); ok {
 			fmt.Printf("in use by a test: pid %d\n", pid)
 		} else {
@@ -71,15 +78,28 @@ func main() {
 }
 
 func usage() {
-	fmt.Fprintln(os.Stderr, "usage: testbed build | up [--api-only] | down [--force] | env | status")
+	fmt.Fprintln(os.Stderr, "usage: testbed build | up [--api-only] [--nodes N] | node add|remove NAME | down [--force] | env | status")
 	os.Exit(2)
 }
 
-func parseUp(name string, args []string) bool {
+type upFlags struct {
+	apiOnly bool
+	nodes   int
+}
+
+func parseUp(name string, args []string) (upFlags, error) {
 	fs := pflag.NewFlagSet(name, pflag.ExitOnError)
-	apiOnly := fs.Bool("api-only", false, "run etcd and kube-apiserver only")
+	var f upFlags
+	fs.BoolVar(&f.apiOnly, "api-only", false, "run etcd and kube-apiserver only")
+	fs.IntVar(&f.nodes, "nodes", 1, "how many nodes (each extra node has its own network and mount namespaces; up to 3 on a 2-core machine)")
 	_ = fs.Parse(flagenv.GoStyle(fs, args))
-	return *apiOnly
+	if f.nodes < 1 || f.nodes > testbed.MaxNodes {
+		return f, fmt.Errorf("--nodes %d: want 1..%d", f.nodes, testbed.MaxNodes)
+	}
+	if f.apiOnly && f.nodes > 1 {
+		return f, errors.New("--nodes needs a full test bed (not --api-only)")
+	}
+	return f, nil
 }
 
 func parseDown(args []string) bool {
@@ -92,7 +112,10 @@ func parseDown(args []string) bool {
 // up starts `testbed serve` detached (it owns the test bed's processes and reaps
 // them) and waits until it reports ready or fails.
 func up(ctx context.Context, log *slog.Logger, args []string) error {
-	apiOnly := parseUp("up", args)
+	f, err := parseUp("up", args)
+	if err != nil {
+		return err
+	}
 	if mode, pid, ok := testbed.Running(); ok {
 		return fmt.Errorf("a test bed (%s) is already running, owned by pid %d: run `hack/testbed down` first", mode, pid)
 	}
@@ -115,8 +138,8 @@ func up(ctx context.Context, log *slog.Logger, args []string) error {
 		return err
 	}
 	defer lf.Close()
-	sargs := []string{"serve"}
-	if apiOnly {
+	sargs := []string{"serve", "--nodes", strconv.Itoa(f.nodes)}
+	if f.apiOnly {
 		sargs = append(sargs, "--api-only")
 	}
 	cmd := exec.Command(self, sargs...)
@@ -148,12 +171,15 @@ func up(ctx context.Context, log *slog.Logger, args []string) error {
 
 // serve runs a test bed in the foreground until SIGTERM/SIGINT.
 func serve(log *slog.Logger, args []string) error {
-	apiOnly := parseUp("serve", args)
+	f, err := parseUp("serve", args)
+	if err != nil {
+		return err
+	}
 	sig := make(chan os.Signal, 1)
 	signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
 	ctx, cancel := context.WithCancel(context.Background())
 	go func() { <-sig; cancel() }()
-	tb, err := testbed.Start(ctx, testbed.Options{APIOnly: apiOnly, Logger: log, Shared: true})
+	tb, err := testbed.Start(ctx, testbed.Options{APIOnly: f.apiOnly, Nodes: f.nodes, Logger: log, Shared: true, Timeout: 2 * time.Minute * time.Duration(f.nodes)})
 	if err != nil {
 		return err
 	}
@@ -188,4 +214,40 @@ func tailFile(path string) string {
 		b = b[len(b)-4000:]
 	}
 	return string(b)
+}
+
+// node adds or removes a node of the running shared test bed (its owner does it).
+func node(ctx context.Context, args []string) error {
+	if len(args) != 2 || (args[0] != "add" && args[0] != "remove") {
+		return errors.New("usage: testbed node add|remove NAME")
+	}
+	tb, err := testbed.Attach(ctx)
+	if err != nil {
+		return fmt.Errorf("%w (start one with `hack/testbed up`)", err)
+	}
+	if args[0] == "remove" {
+		n, err := tb.Node(args[1])
+		if err != nil {
+			return err
+		}
+		return n.Remove(ctx)
+	}
+	began := time.Now()
+	n, err := tb.AddNode(ctx, args[1])
+	if err != nil {
+		return err
+	}
+	slog.Info("node ready", "node", n.Name, "ip", n.IP, "podCIDR", n.PodCIDR,
+		"startup", n.StartupTime.Round(time.Millisecond), "took", time.Since(began).Round(time.Millisecond))
+	return nil
+}
+
+func printNodes(ctx context.Context) {
+	tb, err := testbed.Attach(ctx)
+	if err != nil {
+		return
+	}
+	for _, n := range tb.Nodes() {
+		fmt.Printf("node %s ip=%s podCIDR=%s\n", n.Name, n.IP, n.PodCIDR)
+	}
 }
