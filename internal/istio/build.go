@@ -254,6 +254,16 @@ func fill(ctx context.Context, root, version, tmp string, start time.Time) error
 	return os.WriteFile(filepath.Join(tmp, "build.json"), append(info, '\n'), 0o644)
 }
 
+// ModuleDir returns the pinned Istio module's directory in the Go module cache
+// (downloading it when missing): its manifests/ are what istioctl renders from.
+func ModuleDir(ctx context.Context) (string, error) {
+	root, err := reporoot.Find()
+	if err != nil {
+		return "", fmt.Errorf("istio: %w", err)
+	}
+	return moduleDir(ctx, filepath.Join(root, WrapperDir))
+}
+
 // moduleDir downloads the Istio module (as the wrapper's go.sum pins it) and
 // returns its directory in the module cache.
 func moduleDir(ctx context.Context, wrapper string) (string, error) {

@@ -11,26 +11,19 @@ import (
 	"github.com/meshcni/meshcni/internal/testbed"
 )
 
-// DocBlock returns the commands of the fenced block whose info string is
-// "sh <tag>" in a Markdown document (docs/migration.md tags the procedures the
-// migration tests run that way): one argv per line, "\" continuations joined,
-// comments and blank lines skipped. The commands are run without a shell, so a
-// line holding shell syntax (quotes, $, pipes, redirections, ;, &, globs) is an
-// error, as is a tag with no block or with two.
-func DocBlock(doc []byte, tag string) ([][]string, error) {
-	var (
-		found, in bool
-		cmds      [][]string
-		cont      string
-	)
+// DocText returns the lines of the fenced block whose info string is "<lang> <tag>"
+// in a Markdown document, and the document line number of the first. A tag with no
+// block, with two, or an unclosed block is an error.
+func DocText(doc []byte, lang, tag string) (lines []string, first int, err error) {
+	found, in := false, false
 	for i, line := range strings.Split(string(doc), "\n") {
 		trimmed := strings.TrimSpace(line)
 		if !in {
-			if info, ok := strings.CutPrefix(trimmed, "```"); ok && strings.Join(strings.Fields(info), " ") == "sh "+tag {
+			if info, ok := strings.CutPrefix(trimmed, "```"); ok && strings.Join(strings.Fields(info), " ") == lang+" "+tag {
 				if found {
-					return nil, fmt.Errorf("line %d: a second block tagged %q", i+1, tag)
+					return nil, 0, fmt.Errorf("line %d: a second block tagged %q", i+1, tag)
 				}
-				found, in = true, true
+				found, in, first = true, true, i+2
 			}
 			continue
 		}
@@ -38,6 +31,34 @@ func DocBlock(doc []byte, tag string) ([][]string, error) {
 			in = false
 			continue
 		}
+		lines = append(lines, line)
+	}
+	switch {
+	case !found:
+		return nil, 0, fmt.Errorf("no block tagged %q", tag)
+	case in:
+		return nil, 0, fmt.Errorf("the block tagged %q is not closed", tag)
+	}
+	return lines, first, nil
+}
+
+// DocBlock returns the commands of the fenced block whose info string is
+// "sh <tag>" in a Markdown document (docs/migration.md tags the procedures the
+// migration tests run that way): one argv per line, "\" continuations joined,
+// comments and blank lines skipped. The commands are run without a shell, so a
+// line holding shell syntax (quotes, $, pipes, redirections, ;, &, globs) is an
+// error, as is a tag with no block or with two.
+func DocBlock(doc []byte, tag string) ([][]string, error) {
+	lines, first, err := DocText(doc, "sh", tag)
+	if err != nil {
+		return nil, err
+	}
+	var (
+		cmds [][]string
+		cont string
+	)
+	for i, line := range lines {
+		trimmed := strings.TrimSpace(line)
 		if trimmed == "" || strings.HasPrefix(trimmed, "#") {
 			continue
 		}
@@ -48,16 +69,11 @@ func DocBlock(doc []byte, tag string) ([][]string, error) {
 		full := cont + trimmed
 		cont = ""
 		if j := strings.IndexAny(full, "'\"`$|&;<>*?(){}"); j >= 0 {
-			return nil, fmt.Errorf("line %d: %q: %q is shell syntax; the tests run these commands without a shell", i+1, full, full[j])
+			return nil, fmt.Errorf("line %d: %q: %q is shell syntax; the tests run these commands without a shell", first+i, full, full[j])
 		}
 		cmds = append(cmds, strings.Fields(full))
 	}
-	switch {
-	case !found:
-		return nil, fmt.Errorf("no block tagged %q", tag)
-	case in:
-		return nil, fmt.Errorf("the block tagged %q is not closed", tag)
-	case len(cmds) == 0:
+	if len(cmds) == 0 {
 		return nil, fmt.Errorf("the block tagged %q holds no command", tag)
 	}
 	return cmds, nil
