@@ -101,9 +101,10 @@ func WriteCNIValues() (string, error) {
 }
 
 // InstallIstioCNI installs Istio's istio-cni chart (the images must be imported:
-// Up does it) with CNIValues, moves its DaemonSet onto the host network (as the test
-// bed needs: pods cannot reach the API server) and waits until install-cni is ready
-// and its plugin is in the node's conflist.
+// Up does it) with CNIValues unless its release is already installed, moves its
+// DaemonSet onto the host network (as the test bed needs: pods cannot reach the API
+// server) and waits until install-cni is ready and its plugin is in the node's
+// conflist.
 func InstallIstioCNI(ctx context.Context, tb *testbed.Testbed, o Options) error {
 	o.defaults()
 	vf, err := WriteCNIValues()
@@ -118,6 +119,11 @@ func InstallIstioCNI(ctx context.Context, tb *testbed.Testbed, o Options) error 
 	r, err := newRunner(ctx, tb, o)
 	if err != nil {
 		return err
+	}
+	if _, err := r.runHelm(ctx, "status", CNIRelease, "--namespace", Namespace); err == nil {
+		// Installed (and patched): an upgrade would merge the chart's metrics port
+		// back next to the patched one.
+		return WaitIstioCNI(ctx, tb, o.Timeout)
 	}
 	if _, err := r.runHelm(ctx, "upgrade", "--install", CNIRelease, b.Chart("istio-cni"),
 		"--namespace", Namespace, "--create-namespace", "--values", vf); err != nil {
