@@ -56,7 +56,9 @@ func TestSubstitute(t *testing.T) {
 
 // TestMigrationDocBlocks: docs/migration.md's two Helm procedures parse, run only
 // helm and kubectl, keep istiod's injector in CNI mode with pilot.cni.enabled (never
-// the removed istio_cni.enabled), and add the new CNI before removing the old one.
+// the removed istio_cni.enabled), and add the new CNI before removing the old one;
+// its istioctl procedure parses and installs with the overlay TestIstioctlOverlay
+// renders.
 func TestMigrationDocBlocks(t *testing.T) {
 	root, err := reporoot.Find()
 	if err != nil {
@@ -68,6 +70,15 @@ func TestMigrationDocBlocks(t *testing.T) {
 	}
 	if strings.Contains(string(doc), "istio_cni.enabled=true") {
 		t.Error("docs/migration.md sets istio_cni.enabled, which Istio removed in 1.24")
+	}
+	cmds, err := istio.DocBlock(doc, "istioctl-to-meshcni")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.ContainsFunc(cmds, func(c []string) bool {
+		return c[0] == "istioctl" && c[1] == "install" && slices.Contains(c, "istioctl-overlay.yaml")
+	}) {
+		t.Errorf("istioctl-to-meshcni: %q: no istioctl install with istioctl-overlay.yaml (the doc's overlay block)", cmds)
 	}
 	for tag, order := range map[string][2]string{
 		"istio-cni-to-meshcni": {"install meshcni", "uninstall istio-cni"},
