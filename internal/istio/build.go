@@ -4,7 +4,8 @@
 // with Istio's own Helm charts taken from the same module, next to meshcni installed
 // with its own chart.
 //
-// Build compiles pilot-discovery, pilot-agent and istioctl and copies the charts and
+// Build compiles pilot-discovery, pilot-agent, istioctl, istio-cni and install-cni
+// (Istio's CNI plugin and its installer) and copies the charts and
 // the Envoy bootstrap template into a cache directory keyed by the Istio version, the
 // Go toolchain and the wrapper module's go.mod/go.sum (published atomically, like the
 // test bed's Kubernetes). Images builds the images the test bed imports: istiod's,
@@ -21,9 +22,11 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -46,6 +49,8 @@ var Commands = map[string]string{
 	"pilot-discovery": Module + "/pilot/cmd/pilot-discovery",
 	"pilot-agent":     Module + "/pilot/cmd/pilot-agent",
 	"istioctl":        Module + "/istioctl/cmd/istioctl",
+	"istio-cni":       Module + "/cni/cmd/istio-cni",
+	"install-cni":     Module + "/cni/cmd/install-cni",
 }
 
 // Charts are the Helm charts copied from the module: name in the cache → path in
@@ -65,7 +70,7 @@ type Build struct {
 	// Version is the module version (a pseudo-version), Release the module's VERSION
 	// file plus "-dev" as Istio's own build stamps it, Revision the commit.
 	Version, Release, Revision string
-	// Dir holds bin/{pilot-discovery,pilot-agent,istioctl}, charts/<name>,
+	// Dir holds bin/<command> (the keys of Commands), charts/<name>,
 	// envoy_bootstrap.json and build.json.
 	Dir string
 }
@@ -127,6 +132,9 @@ func cacheDir(ctx context.Context, root string) (version, dir string, err error)
 		return "", "", err
 	}
 	parts := [][]byte{[]byte(version), []byte(gov), []byte(buildRecipe)}
+	for _, name := range slices.Sorted(maps.Keys(Commands)) {
+		parts = append(parts, []byte(name), []byte(Commands[name]))
+	}
 	for _, f := range []string{"go.mod", "go.sum"} {
 		b, err := os.ReadFile(filepath.Join(root, WrapperDir, f))
 		if err != nil {
@@ -197,7 +205,7 @@ func EnsureBuilt(ctx context.Context, log *slog.Logger) (Build, error) {
 		return b, b.readInfo()
 	}
 	start := time.Now()
-	log.Info("building istio (pilot-discovery, pilot-agent, istioctl)", "version", version, "dir", dir)
+	log.Info("building istio (pilot-discovery, pilot-agent, istioctl, istio-cni, install-cni)", "version", version, "dir", dir)
 	err = cachedir.Publish(dir, func(tmp string) error { return fill(ctx, root, version, tmp, start) })
 	if err != nil {
 		return b, fmt.Errorf("build istio %s: %w", version, err)
@@ -244,6 +252,16 @@ func fill(ctx context.Context, root, version, tmp string, start time.Time) error
 	info, _ := json.MarshalIndent(buildInfo{Version: version, Release: release, Revision: revision(version),
 		GoVersion: gov, Took: time.Since(start).Round(time.Second).String()}, "", "  ")
 	return os.WriteFile(filepath.Join(tmp, "build.json"), append(info, '\n'), 0o644)
+}
+
+// ModuleDir returns the pinned Istio module's directory in the Go module cache
+// (downloading it when missing): its manifests/ are what istioctl renders from.
+func ModuleDir(ctx context.Context) (string, error) {
+	root, err := reporoot.Find()
+	if err != nil {
+		return "", fmt.Errorf("istio: %w", err)
+	}
+	return moduleDir(ctx, filepath.Join(root, WrapperDir))
 }
 
 // moduleDir downloads the Istio module (as the wrapper's go.sum pins it) and

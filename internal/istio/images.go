@@ -52,8 +52,8 @@ var standIns = map[string]string{
 	"echo":     "./internal/testbed/cmd/testbed-echo",
 }
 
-// Images builds (or finds cached) the archive holding PilotImage, ProxyImage and
-// AppImage for build b and returns its path. The stand-ins are rebuilt every time
+// Images builds (or finds cached) the archive holding PilotImage, ProxyImage,
+// AppImage and InstallCNIImage for build b and returns its path. The stand-ins are rebuilt every time
 // (seconds when Go's build cache is warm); the archive is cached by their content
 // and the Istio build.
 func Images(ctx context.Context, log *slog.Logger, b Build) (string, error) {
@@ -70,7 +70,7 @@ func Images(ctx context.Context, log *slog.Logger, b Build) (string, error) {
 		return "", err
 	}
 	defer os.RemoveAll(work)
-	parts := [][]byte{[]byte(b.Dir), []byte(PilotImage + ProxyImage + AppImage)}
+	parts := [][]byte{[]byte(b.Dir), []byte(PilotImage + ProxyImage + AppImage + InstallCNIImage)}
 	ipt, err := IptablesFiles()
 	if err != nil {
 		return "", fmt.Errorf("istio images: %w", err)
@@ -112,7 +112,7 @@ func Images(ctx context.Context, log *slog.Logger, b Build) (string, error) {
 	return archive, nil
 }
 
-// imageOptions describes the three images; ipt is the host's iptables for the
+// imageOptions describes the four images; ipt is the host's iptables for the
 // proxyv2 image (IptablesFiles).
 func imageOptions(b Build, bins, ipt map[string]string) []ociimage.Options {
 	uid := fmt.Sprintf("%d:%d", ProxyUID, ProxyUID)
@@ -126,6 +126,7 @@ func imageOptions(b Build, bins, ipt map[string]string) []ociimage.Options {
 			User:       uid,
 		},
 		proxyImage(b, bins, ipt),
+		installCNIImage(b, ipt),
 		{
 			Ref:        AppImage,
 			Files:      map[string]string{"/echo": bins["echo"], "/proxysim": bins["proxysim"]},

@@ -74,7 +74,7 @@ func TestPinnedVersion(t *testing.T) {
 }
 
 // TestDocNamesEveryE2ETest: docs/istio.md's "What the tests prove" names every test of
-// internal/istio/e2e, so a proof added there is described (and a removed one is not
+// internal/istio/e2e and internal/istio/migration, so a proof added there is described (and a removed one is not
 // left claimed in the compatibility table's summary).
 func TestDocNamesEveryE2ETest(t *testing.T) {
 	root, err := reporoot.Find()
@@ -90,9 +90,13 @@ func TestDocNamesEveryE2ETest(t *testing.T) {
 	if !ok {
 		t.Fatal(`docs/istio.md has no "What the tests prove" section`)
 	}
-	files, err := filepath.Glob(filepath.Join(root, "internal", "istio", "e2e", "*_test.go"))
-	if err != nil || len(files) == 0 {
-		t.Fatalf("no e2e test files: %v", err)
+	var files []string
+	for _, pkg := range []string{"e2e", "migration"} {
+		fs, err := filepath.Glob(filepath.Join(root, "internal", "istio", pkg, "*_test.go"))
+		if err != nil || len(fs) == 0 {
+			t.Fatalf("no test files in internal/istio/%s: %v", pkg, err)
+		}
+		files = append(files, fs...)
 	}
 	tests := 0
 	for _, f := range files {

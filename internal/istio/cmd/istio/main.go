@@ -6,6 +6,9 @@
 //	istio up      install Istio's base and istiod charts and meshcni's chart on the
 //	              running test bed (hack/testbed up)
 //	istio down    remove meshcni and Istio from it (idempotent)
+//	istio cni-up  install Istio's own istio-cni (its chart) on the running test bed
+//	              (after `istio up --istio-only`: the state migration.md starts from)
+//	istio cni-down  uninstall it (idempotent)
 //	istio env     print shell exports: ISTIO_DIR, PATH with istioctl
 package main
 
@@ -27,7 +30,7 @@ import (
 	"github.com/meshcni/meshcni/internal/testbed"
 )
 
-const usage = "usage: istio build | up [--istio-only] [--timeout D] | down [--timeout D] | env"
+const usage = "usage: istio build | up [--istio-only] [--timeout D] | down [--timeout D] | cni-up | cni-down | env"
 
 func main() {
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
@@ -88,6 +91,15 @@ func run(ctx context.Context, log *slog.Logger, cmd string, args []string) error
 		}
 		fmt.Printf("%8s  total\n", time.Since(start).Round(time.Millisecond))
 		return nil
+	case "cni-up", "cni-down":
+		tb, err := testbed.Attach(ctx)
+		if err != nil {
+			return fmt.Errorf("%w (start one with `hack/testbed up`)", err)
+		}
+		if cmd == "cni-down" {
+			return istio.UninstallIstioCNI(ctx, tb, o)
+		}
+		return istio.InstallIstioCNI(ctx, tb, o)
 	case "env":
 		b, err := istio.Lookup(ctx)
 		if err != nil {
