@@ -1,6 +1,8 @@
 // Package plugin is the meshcni CNI plugin: a chained plugin that, for pods with an
 // Istio sidecar, writes the traffic redirect istio-init would write (so workloads need
-// no NET_ADMIN), and passes every other pod through untouched.
+// no NET_ADMIN), and passes every other pod through untouched. Under Multus it is a
+// network of its own and gets no prevResult: it then reads the pod's addresses in the
+// pod's netns and returns an empty result, as istio-cni does.
 //
 // ADD reads the pod from the API server (a plain GET, bounded retries, a total
 // deadline) and fails closed: a pod whose redirect cannot be decided or applied is
