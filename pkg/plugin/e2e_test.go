@@ -195,11 +195,15 @@ func TestBinaryContract(t *testing.T) {
 			t.Fatalf("%+v", e)
 		}
 	})
-	t.Run("missing prevResult", func(t *testing.T) {
-		out, _, code := runPlugin(t, bin, "ADD", "/var/run/netns/meshcni-test-none", k8sArgs, withConf("1.0.0", nil, nil))
-		e := cniError(t, out, code)
-		if e.Code != types.ErrInvalidNetworkConfig || !strings.Contains(e.Msg, "chained plugin and got no prevResult") {
-			t.Fatalf("%+v", e)
+	t.Run("no prevResult: an empty result of the requested version", func(t *testing.T) {
+		// A network of its own (Multus): nothing to pass through. A meshed pod without
+		// a prevResult: TestMultusStandaloneList.
+		for _, ver := range []string{"0.3.1", "1.0.0", "1.1.0"} {
+			out, stderr, code := runPlugin(t, bin, "ADD", "/var/run/netns/meshcni-test-none", "K8S_POD_NAMESPACE=kube-system;K8S_POD_NAME=dns", withConf(ver, nil, nil))
+			var r map[string]any
+			if code != 0 || json.Unmarshal(out, &r) != nil || r["cniVersion"] != ver || r["ips"] != nil || r["interfaces"] != nil {
+				t.Fatalf("%s: exit %d, stdout %s, stderr %s", ver, code, out, stderr)
+			}
 		}
 	})
 	t.Run("unsupported cniVersion", func(t *testing.T) {

@@ -1,6 +1,8 @@
 // Package plugin is the meshcni CNI plugin: a chained plugin that, for pods with an
 // Istio sidecar, writes the traffic redirect istio-init would write (so workloads need
-// no NET_ADMIN), and passes every other pod through untouched.
+// no NET_ADMIN), and passes every other pod through untouched. Under Multus it is a
+// network of its own and gets no prevResult: it then reads the pod's addresses in the
+// pod's netns and returns an empty result, as istio-cni does.
 //
 // ADD reads the pod from the API server (a plain GET, bounded retries, a total
 // deadline) and fails closed: a pod whose redirect cannot be decided or applied is
@@ -75,6 +77,9 @@ type Plugin struct {
 	NewPodGetter func(kubeconfig string) (PodGetter, error)
 	// HelperPath locates the API helper meshcni-podget (STATUS checks it is there).
 	HelperPath func() (string, error)
+	// PodAddrs lists the addresses in a pod's netns, for calls without a prevResult
+	// (tests replace it).
+	PodAddrs func(netns string) ([]netip.Addr, error)
 }
 
 // PodGetter fetches one pod: in production a podget.Getter, which runs the helper
@@ -94,6 +99,7 @@ func New() *Plugin {
 		Stdout:     os.Stdout,
 		Stderr:     os.Stderr,
 		HelperPath: podget.HelperPath,
+		PodAddrs:   netnsAddrs,
 	}
 	p.NewPodGetter = func(path string) (PodGetter, error) {
 		helper, err := p.HelperPath()
@@ -194,11 +200,14 @@ func (inv *invocation) skipReason() string {
 	return ""
 }
 
-// prevResult returns the chained result, converted to the current version.
+// prevResult returns the chained result, converted to the current version, or nil
+// when there is none: meshcni then runs as a network of its own (the agent's
+// standalone list, an additional network under Multus), takes the pod's addresses
+// from its netns and prints an empty result, as istio-cni does.
 func (inv *invocation) prevResult() (*current.Result, error) {
 	if inv.cfg.PrevResult == nil {
-		return nil, types.NewError(types.ErrInvalidNetworkConfig,
-			"meshcni is a chained plugin and got no prevResult: list it after the plugin that creates the pod's interface (e.g. bridge or ptp) in a conflist", "")
+		inv.log.Debug("no prevResult: a network of its own (as under Multus); the pod's addresses come from its netns")
+		return nil, nil
 	}
 	r, err := current.NewResultFromResult(inv.cfg.PrevResult)
 	if err != nil {
@@ -207,8 +216,12 @@ func (inv *invocation) prevResult() (*current.Result, error) {
 	return r, nil
 }
 
-// printResult writes the prevResult unchanged, in the requested version.
+// printResult writes the prevResult unchanged, or without one an empty result, in
+// the requested version.
 func (p *Plugin) printResult(inv *invocation, r *current.Result) error {
+	if r == nil {
+		r = &current.Result{CNIVersion: current.ImplementedSpecVersion}
+	}
 	out, err := r.GetAsVersion(inv.cfg.CNIVersion)
 	if err != nil {
 		return types.NewError(types.ErrIncompatibleCNIVersion, "meshcni: cannot convert the result to version "+inv.cfg.CNIVersion+": "+err.Error(), "")
@@ -252,7 +265,7 @@ func (p *Plugin) add(inv *invocation, prev *current.Result) error {
 		inv.log.Info("pod not meshed", "reason", d.Reason)
 		return nil
 	}
-	s, err := inv.podSpec(pod, prev)
+	s, err := p.podSpec(inv, pod, prev)
 	if err != nil {
 		return err
 	}
@@ -278,8 +291,8 @@ func (inv *invocation) engineOptions() engine.Options {
 	return o
 }
 
-// podSpec derives the spec and sets its families from the prevResult's addresses.
-func (inv *invocation) podSpec(pod *podspec.Pod, prev *current.Result) (*spec.Spec, error) {
+// podSpec derives the spec and sets its families from the pod's addresses.
+func (p *Plugin) podSpec(inv *invocation, pod *podspec.Pod, prev *current.Result) (*spec.Spec, error) {
 	res, err := inv.cfg.PodspecConfig().Build(pod)
 	if err != nil {
 		return nil, types.NewError(types.ErrInvalidNetworkConfig, fmt.Sprintf(
@@ -289,8 +302,39 @@ func (inv *invocation) podSpec(pod *podspec.Pod, prev *current.Result) (*spec.Sp
 	for _, w := range res.Warnings {
 		inv.log.Warn(w)
 	}
-	podspec.WithFamilies(res.Spec, resultAddrs(prev))
+	addrs, err := p.podAddrs(inv, prev)
+	if err != nil {
+		return nil, err
+	}
+	podspec.WithFamilies(res.Spec, addrs)
 	return res.Spec, nil
+}
+
+// podAddrs are the pod's addresses: the prevResult's IPs, else (no prevResult, or
+// one without IPs such as the empty result meshcni printed at ADD, which the runtime
+// passes back at CHECK) those the pod's netns holds (PodAddrs). Without a
+// prevResult, a netns with no address means meshcni runs before the plugin that
+// creates the pod's interface: an error.
+func (p *Plugin) podAddrs(inv *invocation, prev *current.Result) ([]netip.Addr, error) {
+	if prev != nil {
+		if addrs := resultAddrs(prev); len(addrs) > 0 {
+			return addrs, nil
+		}
+	}
+	const closed = "meshcni fails closed so the pod is not started unredirected"
+	addrs, err := p.PodAddrs(inv.args.Netns)
+	if err != nil {
+		return nil, types.NewError(types.ErrInternal, fmt.Sprintf(
+			"meshcni got no IP in a prevResult and cannot read the addresses of pod %s/%s from its netns: %v; %s",
+			inv.namespace, inv.name, err, closed), "")
+	}
+	if len(addrs) == 0 && prev == nil {
+		return nil, types.NewError(types.ErrInvalidNetworkConfig, fmt.Sprintf(
+			"meshcni got no prevResult and the netns %s of pod %s/%s holds no address: in a chain, list it after the plugin that creates the pod's interface (e.g. bridge or ptp); under Multus, attach it as an additional network (the default network comes first); %s",
+			inv.args.Netns, inv.namespace, inv.name, closed), "")
+	}
+	inv.log.Debug("pod addresses from its netns", "addrs", addrs)
+	return addrs, nil
 }
 
 func trimPodPrefix(err error, pod *podspec.Pod) string {
@@ -497,7 +541,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) (err error) {
 		inv.log.Debug("CHECK: pod not meshed, nothing to check", "reason", d.Reason)
 		return nil
 	}
-	s, err := inv.podSpec(pod, prev)
+	s, err := p.podSpec(inv, pod, prev)
 	if err != nil {
 		return err
 	}

@@ -286,9 +286,12 @@ func TestAddFailures(t *testing.T) {
 			h.api.AddPod(meshed("app", "web", map[string]string{podspec.AnnotationIPv6: "pass"}))
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
 		}, types.ErrInvalidNetworkConfig, []string{`invalid meshcni.io/ipv6 "pass": want istio, capture or drop`, "no redirect rule was applied"}},
-		{"missing prevResult", func(h *harness) *skel.CmdArgs {
+		{"no prevResult and no address in the netns", func(h *harness) *skel.CmdArgs {
+			// meshcni listed before the plugin that creates the pod's interface.
+			h.api.AddPod(meshed("app", "web", nil))
+			h.p.PodAddrs = (&fakeAddrs{}).read
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, "", nil))
-		}, types.ErrInvalidNetworkConfig, []string{"chained plugin", "no prevResult"}},
+		}, types.ErrInvalidNetworkConfig, []string{"no prevResult", "holds no address", "list it after the plugin that creates the pod's interface", "Multus", "fails closed"}},
 		{"kubeconfig missing", func(h *harness) *skel.CmdArgs {
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", "/nonexistent/run", prevResult100, nil))
 		}, types.ErrTryAgainLater, []string{"cannot load its kubeconfig", "/nonexistent/run/meshcni-kubeconfig", "meshcni-agent is running"}},
