@@ -88,6 +88,24 @@ type CommandResult struct {
 	Seconds  float64 `json:"duration_seconds"`
 	Pod      Pod     `json:"pod"`
 	ErrorMsg string  `json:"error,omitempty"`
+	// ContainerID is the pod sandbox's (CNI_CONTAINERID): the agent pairs an ADD's
+	// EBPF with the sandbox's DEL by it.
+	ContainerID string `json:"container_id,omitempty"`
+	// EBPF is set on a successful ADD of a meshed pod whose eBPF acceleration is
+	// not off by annotation: what the agent needs to enable it (pkg/agent/ebpf.go).
+	EBPF *PodEBPF `json:"ebpf,omitempty"`
+}
+
+// PodEBPF is a meshed pod's network namespace as eBPF acceleration needs it.
+type PodEBPF struct {
+	// NetnsCookie is the pod netns's SO_NETNS_COOKIE, read by the plugin inside it.
+	NetnsCookie uint64 `json:"netns_cookie"`
+	// Mode is the pod's meshcni.io/ebpf-acceleration annotation, parsed
+	// (to-proxy or both); empty: the pod has none and the agent's default applies.
+	Mode string `json:"mode,omitempty"`
+	// ProxyUID is the UID of the pod's proxy, whose connections to the network
+	// are left alone.
+	ProxyUID uint32 `json:"proxy_uid"`
 }
 
 // Request asks the agent something; Body's shape depends on Type.
