@@ -125,6 +125,7 @@ type invocation struct {
 	log       *slog.Logger
 	sock      *agentsock.Client
 	start     time.Time
+	ebpf      *agentsock.PodEBPF // a meshed pod's, reported with a successful ADD
 }
 
 func (p *Plugin) begin(args *skel.CmdArgs, withPrev bool) (*invocation, error) {
@@ -171,7 +172,14 @@ func (inv *invocation) end(command string, err error) {
 	if err != nil {
 		result = agentsock.ResultError
 	}
-	_ = inv.sock.ReportCommand(command, result, time.Since(inv.start), agentsock.Pod{Namespace: inv.namespace, Name: inv.name}, err)
+	r := &agentsock.CommandResult{Command: command, Result: result, Seconds: time.Since(inv.start).Seconds(),
+		Pod: agentsock.Pod{Namespace: inv.namespace, Name: inv.name}, ContainerID: inv.args.ContainerID}
+	if err != nil {
+		r.ErrorMsg = err.Error()
+	} else {
+		r.EBPF = inv.ebpf
+	}
+	_ = inv.sock.Report(r)
 	_ = inv.sock.Close()
 }
 
@@ -252,7 +260,7 @@ func (p *Plugin) add(inv *invocation, prev *current.Result) error {
 		inv.log.Info("pod not meshed", "reason", d.Reason)
 		return nil
 	}
-	s, err := inv.podSpec(pod, prev)
+	s, accel, err := inv.podSpec(pod, prev)
 	if err != nil {
 		return err
 	}
@@ -264,6 +272,7 @@ func (p *Plugin) add(inv *invocation, prev *current.Result) error {
 	}
 	inv.log.Info("pod meshed: redirect applied", "reason", d.Reason, "backend", k, "mode", s.Mode,
 		"ipv4", s.EnableIPv4, "ipv6", s.IPv6Captured(), "ipv6Mode", s.IPv6, "duration", time.Since(inv.start))
+	inv.ebpf = inv.ebpfReport(accel, s)
 	return nil
 }
 
@@ -279,10 +288,10 @@ func (inv *invocation) engineOptions() engine.Options {
 }
 
 // podSpec derives the spec and sets its families from the prevResult's addresses.
-func (inv *invocation) podSpec(pod *podspec.Pod, prev *current.Result) (*spec.Spec, error) {
+func (inv *invocation) podSpec(pod *podspec.Pod, prev *current.Result) (*spec.Spec, podspec.Acceleration, error) {
 	res, err := inv.cfg.PodspecConfig().Build(pod)
 	if err != nil {
-		return nil, types.NewError(types.ErrInvalidNetworkConfig, fmt.Sprintf(
+		return nil, "", types.NewError(types.ErrInvalidNetworkConfig, fmt.Sprintf(
 			"pod %s/%s: %v; fix the annotation and recreate the pod (no redirect rule was applied)",
 			inv.namespace, inv.name, trimPodPrefix(err, pod)), "")
 	}
@@ -290,7 +299,7 @@ func (inv *invocation) podSpec(pod *podspec.Pod, prev *current.Result) (*spec.Sp
 		inv.log.Warn(w)
 	}
 	podspec.WithFamilies(res.Spec, resultAddrs(prev))
-	return res.Spec, nil
+	return res.Spec, res.EBPF, nil
 }
 
 func trimPodPrefix(err error, pod *podspec.Pod) string {
@@ -497,7 +506,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) (err error) {
 		inv.log.Debug("CHECK: pod not meshed, nothing to check", "reason", d.Reason)
 		return nil
 	}
-	s, err := inv.podSpec(pod, prev)
+	s, _, err := inv.podSpec(pod, prev)
 	if err != nil {
 		return err
 	}

@@ -286,6 +286,10 @@ func TestAddFailures(t *testing.T) {
 			h.api.AddPod(meshed("app", "web", map[string]string{podspec.AnnotationIPv6: "pass"}))
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
 		}, types.ErrInvalidNetworkConfig, []string{`invalid meshcni.io/ipv6 "pass": want istio, capture or drop`, "no redirect rule was applied"}},
+		{"bad eBPF acceleration annotation", func(h *harness) *skel.CmdArgs {
+			h.api.AddPod(meshed("app", "web", map[string]string{podspec.AnnotationEBPFAcceleration: "on"}))
+			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
+		}, types.ErrInvalidNetworkConfig, []string{`invalid meshcni.io/ebpf-acceleration "on": want off, to-proxy or both`, "no redirect rule was applied"}},
 		{"missing prevResult", func(h *harness) *skel.CmdArgs {
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, "", nil))
 		}, types.ErrInvalidNetworkConfig, []string{"chained plugin", "no prevResult"}},
