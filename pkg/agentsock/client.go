@@ -271,6 +271,10 @@ func appendCommandLine(b []byte, r *CommandResult) []byte {
 		}
 		b = append(b, `,"proxy_uid":`...)
 		b = strconv.AppendUint(b, uint64(e.ProxyUID), 10)
+		if e.PodUID != "" {
+			b = append(b, `,"pod_uid":`...)
+			b = appendJSONString(b, e.PodUID)
+		}
 		b = append(b, '}')
 	}
 	return append(b, "}}\n"...)

@@ -29,7 +29,7 @@ func TestCommandLineIsJSONMarshal(t *testing.T) {
 	}
 	for _, s := range []string{"", "to-proxy", "both", `q"`} {
 		results = append(results,
-			&CommandResult{Command: CommandAdd, Result: ResultSuccess, ContainerID: "c0ffee" + s, EBPF: &PodEBPF{NetnsCookie: math.MaxUint64, Mode: s, ProxyUID: 1337}},
+			&CommandResult{Command: CommandAdd, Result: ResultSuccess, ContainerID: "c0ffee" + s, EBPF: &PodEBPF{NetnsCookie: math.MaxUint64, Mode: s, ProxyUID: 1337, PodUID: s}},
 			&CommandResult{Command: CommandDel, Result: ResultSuccess, ContainerID: s, EBPF: &PodEBPF{Mode: s}},
 		)
 	}

@@ -106,6 +106,9 @@ type PodEBPF struct {
 	// ProxyUID is the UID of the pod's proxy, whose connections to the network
 	// are left alone.
 	ProxyUID uint32 `json:"proxy_uid"`
+	// PodUID is K8S_POD_UID, when the runtime gives it: the agent disables the
+	// pod's entry when this pod (not a later one of the same name) is deleted.
+	PodUID string `json:"pod_uid,omitempty"`
 }
 
 // Request asks the agent something; Body's shape depends on Type.

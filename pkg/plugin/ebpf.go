@@ -29,7 +29,7 @@ func (inv *invocation) ebpfReport(a podspec.Acceleration, s *spec.Spec) *agentso
 	if len(s.ProxyUIDs) > 0 {
 		uid = s.ProxyUIDs[0]
 	}
-	return &agentsock.PodEBPF{NetnsCookie: cookie, Mode: string(a), ProxyUID: uid}
+	return &agentsock.PodEBPF{NetnsCookie: cookie, Mode: string(a), ProxyUID: uid, PodUID: inv.uid}
 }
 
 // netnsCookie is the cookie of the network namespace at path, read with

@@ -35,8 +35,8 @@ func TestAddReportsNetnsCookie(t *testing.T) {
 		annotation string // "": none
 		want       *agentsock.PodEBPF
 	}{
-		{"", &agentsock.PodEBPF{NetnsCookie: want, ProxyUID: 1337}},
-		{"both", &agentsock.PodEBPF{NetnsCookie: want, Mode: "both", ProxyUID: 1337}},
+		{"", &agentsock.PodEBPF{NetnsCookie: want, ProxyUID: 1337, PodUID: "uid-web"}},
+		{"both", &agentsock.PodEBPF{NetnsCookie: want, Mode: "both", ProxyUID: 1337, PodUID: "uid-web"}},
 		{"off", nil},
 	} {
 		t.Run("annotation="+tt.annotation, func(t *testing.T) {
