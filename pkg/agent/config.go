@@ -17,6 +17,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/podget"
+	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/repair"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -67,6 +68,13 @@ type Config struct {
 	RepairExitCode      int
 	RepairMessage       string
 	RepairNetnsDirs     []string
+
+	// eBPF acceleration (flags in ebpf.go).
+	EBPF                 EBPFMode
+	EBPFDefault          podspec.Acceleration
+	EBPFNamespaces       []string
+	EBPFForceUnavailable string
+	EBPFPinDir           string
 }
 
 // DefaultPluginServiceAccount is the plugin's ServiceAccount of the chart's release
@@ -170,6 +178,7 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 	fs.StringVar(&c.PodNamespace, "pod-namespace", "", "the agent's pod namespace (downward API)")
 	fs.StringVar(&c.NodeName, "node-name", "", "the node's name (downward API)")
 	finishRepair := c.repairFlags(fs)
+	finishEBPF := c.ebpfFlags(fs)
 	return fs, func() error {
 		if err := c.LogLevel.UnmarshalText([]byte(logLevel)); err != nil {
 			return fmt.Errorf("--log-level %q: want debug, info, warn or error", logLevel)
@@ -187,6 +196,9 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 			if ns = strings.TrimSpace(ns); ns != "" {
 				c.ExcludeNamespaces = append(c.ExcludeNamespaces, ns)
 			}
+		}
+		if err := finishEBPF(); err != nil {
+			return err
 		}
 		return finishRepair()
 	}

@@ -17,6 +17,9 @@ type HealthServer struct {
 	Ready   func() error
 	Metrics *Metrics
 	Log     *slog.Logger
+	// Detail, when set, adds lines to a ready /readyz answer (facts that do not
+	// make the agent unready, such as eBPF acceleration being unavailable).
+	Detail func() string
 
 	listening chan net.Addr
 }
@@ -26,7 +29,20 @@ func (s *HealthServer) Name() string { return "health server" }
 
 // Handler returns the server's routes.
 func (s *HealthServer) Handler() http.Handler {
-	return healthz.Handler(nil, s.Ready, s.Metrics.Registry)
+	h := healthz.Handler(nil, s.Ready, s.Metrics.Registry)
+	if s.Detail == nil {
+		return h
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/", h)
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+		if s.Ready != nil && s.Ready() != nil {
+			h.ServeHTTP(w, r)
+			return
+		}
+		fmt.Fprintf(w, "ok\n%s\n", s.Detail())
+	})
+	return mux
 }
 
 // Run listens on Addr and serves until ctx ends.

@@ -21,6 +21,7 @@ type SocketServer struct {
 	Log     *slog.Logger
 	Metrics *Metrics
 	Pods    PodSource
+	EBPF    *EBPF // enables the eBPF acceleration of the pods the plugin reports (nil: none)
 }
 
 // Name implements Runnable.
@@ -41,6 +42,7 @@ func (s *SocketServer) Run(ctx context.Context) error {
 		},
 		OnCommand: func(r *agentsock.CommandResult) {
 			s.Metrics.ObserveCommand(r)
+			s.EBPF.OnCommand(r)
 			args := []any{"command", r.Command, "result", r.Result, "duration_seconds", r.Seconds,
 				"pod_namespace", r.Pod.Namespace, "pod_name", r.Pod.Name}
 			if r.ErrorMsg != "" {
