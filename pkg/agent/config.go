@@ -75,6 +75,7 @@ type Config struct {
 	EBPFNamespaces       []string
 	EBPFForceUnavailable string
 	EBPFPinDir           string
+	EBPFCgroup2          string
 }
 
 // DefaultPluginServiceAccount is the plugin's ServiceAccount of the chart's release

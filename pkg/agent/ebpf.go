@@ -38,6 +38,7 @@ func (c *Config) ebpfFlags(fs *pflag.FlagSet) func() error {
 	fs.StringVar(&namespaces, "ebpf-namespaces", "", "comma-separated namespaces whose meshed pods without the annotation get at least to-proxy")
 	fs.StringVar(&c.EBPFForceUnavailable, "ebpf-force-unavailable", "", "make eBPF feature detection fail with this reason, as on a node without the kernel features (tests the fallback)")
 	fs.StringVar(&c.EBPFPinDir, "ebpf-pin-dir", sockmap.DefaultPinDir, "bpffs directory of the pinned programs and maps")
+	fs.StringVar(&c.EBPFCgroup2, "ebpf-cgroup2", "", "the host's cgroup2 root (in a container: the host's mounted in, as the chart does), which the sockops program attaches to; empty: the root of the agent's cgroup2 mount, or one it mounts")
 	return func() error {
 		switch m := EBPFMode(mode); m {
 		case EBPFOff, EBPFAuto:
@@ -96,7 +97,7 @@ type EBPF struct {
 // error: the agent runs on without it.
 func newEBPF(cfg *Config, log *slog.Logger) *EBPF {
 	e := &EBPF{Default: cfg.EBPFDefault, Namespaces: cfg.EBPFNamespaces, Log: log,
-		opts: sockmap.Options{PinDir: cfg.EBPFPinDir, ForceUnavailable: cfg.EBPFForceUnavailable}, pods: map[string]ebpfPod{}}
+		opts: sockmap.Options{PinDir: cfg.EBPFPinDir, Cgroup2: cfg.EBPFCgroup2, ForceUnavailable: cfg.EBPFForceUnavailable}, pods: map[string]ebpfPod{}}
 	if cfg.EBPF != EBPFAuto {
 		e.reason = "off (--ebpf-acceleration off)"
 		e.unloadLeftover()
