@@ -248,6 +248,23 @@ func (e *EBPF) PodAccelerated(namespace, name string) (bool, error) {
 	return false, nil
 }
 
+// Answer answers the agent socket's RequestEBPF from the allow-list itself (which
+// outlives an agent restart).
+func (e *EBPF) Answer(req agentsock.EBPFRequest) (*agentsock.EBPFResponse, error) {
+	if !e.Available() {
+		r := &agentsock.EBPFResponse{Reason: "off"}
+		if e != nil {
+			r.Reason = e.reason
+		}
+		return r, nil
+	}
+	ok, err := e.accel.Enabled(req.NetnsCookie)
+	if err != nil {
+		return nil, err
+	}
+	return &agentsock.EBPFResponse{Available: true, Accelerated: ok}, nil
+}
+
 // watchDeletions disables a pod's acceleration when the pod leaves the node's cache.
 func (e *EBPF) watchDeletions(inf cache.SharedIndexInformer) error {
 	_, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{DeleteFunc: func(obj any) {

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"io"
 	"log/slog"
 	"net/http"
@@ -86,6 +87,11 @@ func TestEBPFEnableDisable(t *testing.T) {
 	if ok, _ := e.PodAccelerated("app", "plain"); ok {
 		t.Error("app/plain reported accelerated")
 	}
+	for cookie, want := range map[uint64]bool{11: true, 12: false} {
+		if r, err := e.Answer(agentsock.EBPFRequest{NetnsCookie: cookie}); err != nil || !r.Available || r.Accelerated != want {
+			t.Errorf("Answer(%d) = %+v, %v; want available, accelerated %v", cookie, r, err, want)
+		}
+	}
 	e.OnCommand(&agentsock.CommandResult{Command: agentsock.CommandDel, Result: agentsock.ResultSuccess, ContainerID: "s1"})
 	if _, ok := f.allow[11]; ok {
 		t.Error("cookie 11 still allowed after its sandbox's DEL")
@@ -166,6 +172,16 @@ func TestEBPFForcedUnavailable(t *testing.T) {
 	}
 	if !strings.Contains(r.log.String(), `"reason":"eBPF acceleration unavailable: forced by setting: test: no kernel"`) {
 		t.Errorf("log lacks the reason:\n%s", r.log)
+	}
+	c, err := agentsock.Dial(e.runDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if a, err := c.EBPF(ctx, 11); err != nil || a.Available || a.Accelerated || !strings.Contains(a.Reason, "forced by setting: test: no kernel") {
+		t.Errorf("agent socket eBPF answer %+v, %v", a, err)
 	}
 	r.a.EBPF.OnCommand(add("s1", "app", "web", "both", 11))
 	if ok, err := r.a.EBPF.PodAccelerated("app", "web"); ok || err != nil {

@@ -18,6 +18,7 @@ import (
 	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
 	"github.com/meshcni/meshcni/pkg/podspec"
 )
@@ -73,6 +74,15 @@ func TestEBPFOnTestbed(t *testing.T) {
 	if v := value(t, a.Metrics(t), "meshcni_ebpf_accelerated_pods", nil); v != 1 {
 		t.Fatalf("meshcni_ebpf_accelerated_pods %v, want 1", v)
 	}
+	plainCookie, err := sockmap.NetnsCookie(plain)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for c, want := range map[uint64]bool{cookie: true, plainCookie: false} {
+		if got := askAgent(ctx, t, a.RunDir, c); !got.Available || got.Accelerated != want {
+			t.Errorf("agent socket: netns cookie %d: %+v, want accelerated %v", c, got, want)
+		}
+	}
 
 	const n = 32 << 10
 	redirected := func() float64 { return value(t, a.Metrics(t), "meshcni_ebpf_redirected_bytes_total", nil) }
@@ -122,6 +132,22 @@ func TestEBPFOnTestbed(t *testing.T) {
 	if err := u.Stop(); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// askAgent asks the agent's socket whether a netns is accelerated (what
+// meshcnictl inspect can show).
+func askAgent(ctx context.Context, t *testing.T, runDir string, cookie uint64) *agentsock.EBPFResponse {
+	t.Helper()
+	c, err := agentsock.Dial(runDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	r, err := c.EBPF(ctx, cookie)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
 }
 
 // startMeshed runs a meshed pod with the annotation (AccelDefault: none), waits

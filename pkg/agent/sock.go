@@ -52,6 +52,17 @@ func (s *SocketServer) Run(ctx context.Context) error {
 		},
 	}
 	srv.OnRequest = func(_ context.Context, req *agentsock.Request) (json.RawMessage, error) {
+		if req.Type == agentsock.RequestEBPF {
+			var er agentsock.EBPFRequest
+			if err := json.Unmarshal(req.Body, &er); err != nil {
+				return nil, fmt.Errorf("eBPF request: %w", err)
+			}
+			resp, err := s.EBPF.Answer(er)
+			if err != nil {
+				return nil, err
+			}
+			return json.Marshal(resp)
+		}
 		if req.Type != agentsock.RequestPod {
 			return nil, agentsock.ErrUnsupported
 		}

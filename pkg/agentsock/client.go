@@ -391,6 +391,16 @@ func (c *Client) GetPod(ctx context.Context, req PodRequest) (*PodResponse, erro
 	return &resp, nil
 }
 
+// EBPF asks the agent whether the network namespace with this cookie is
+// accelerated. An error means the agent could not be asked.
+func (c *Client) EBPF(ctx context.Context, cookie uint64) (*EBPFResponse, error) {
+	var resp EBPFResponse
+	if err := c.Call(ctx, RequestEBPF, EBPFRequest{NetnsCookie: cookie}, &resp); err != nil {
+		return nil, err
+	}
+	return &resp, nil
+}
+
 // releaseLine is json.Marshal(&Message{V: Version, Kind: KindRelease}) and a newline
 // (a test checks it), a constant so that Release needs no encoding/json.
 const releaseLine = `{"v":1,"kind":"` + KindRelease + `"}` + "\n"

@@ -146,6 +146,23 @@ type PodResponse struct {
 	Pod    json.RawMessage `json:"pod,omitempty"`
 }
 
+// RequestEBPF asks whether a network namespace is on the node's eBPF acceleration
+// allow-list (meshcnictl inspect). Body: EBPFRequest; answer: EBPFResponse.
+const RequestEBPF = "ebpf"
+
+// EBPFRequest names a network namespace by its cookie (SO_NETNS_COOKIE).
+type EBPFRequest struct {
+	NetnsCookie uint64 `json:"netns_cookie"`
+}
+
+// EBPFResponse answers a RequestEBPF. Available is false when the agent has not
+// loaded the acceleration; Reason then says why (off, or what the node lacks).
+type EBPFResponse struct {
+	Available   bool   `json:"available"`
+	Reason      string `json:"reason,omitempty"`
+	Accelerated bool   `json:"accelerated"`
+}
+
 // Log attribute keys lifted into LogRecord.Pod.
 const (
 	KeyPodNamespace = "pod_namespace"
