@@ -47,6 +47,8 @@ type Agent struct {
 	// PluginToken mints and renews the plugin's token (nil: the plugin's kubeconfig
 	// comes from --kubeconfig-source or the agent's own token).
 	PluginToken *PluginToken
+	// EBPF is the eBPF acceleration of meshed pods (off or unavailable: inert).
+	EBPF *EBPF
 
 	kube      *Kube // nil: no API access
 	runnables []Runnable
@@ -101,6 +103,10 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 	a.Health = &HealthServer{Addr: cfg.HealthAddr, Ready: a.Guard.Ready, Metrics: m, Log: log, Build: build}
 	a.Socket = &SocketServer{Path: agentsock.Path(cfg.RunDir), Log: log, Metrics: m}
 	a.runnables = []Runnable{a.Socket, a.Health, a.Guard}
+	a.EBPF = newEBPF(cfg, log.With("component", "ebpf"))
+	m.Registry.MustRegister(a.EBPF)
+	a.Socket.EBPF = a.EBPF
+	a.Health.Detail = a.EBPF.Detail
 	if a.PluginToken != nil {
 		a.PluginToken.Changed = a.Guard.KubeconfigChanged
 		a.runnables = append(a.runnables, a.PluginToken)
@@ -113,6 +119,9 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 		pods.Log = log.With("component", "node-pods")
 		a.Pods = pods
 		a.Socket.Pods = pods
+		if err := a.EBPF.watchDeletions(pods.Informer()); err != nil {
+			return nil, err
+		}
 		a.runnables = append(a.runnables, pods)
 		if err := a.addMarker(opts.Kube, pods); err != nil {
 			return nil, err
@@ -170,6 +179,10 @@ func (a *Agent) Run(ctx context.Context) error {
 		cs = a.kube.Client
 	}
 	keep, why := keepOnExit(a.Config.KeepOnExit, cs, a.Config.PodNamespace, a.Config.DaemonSetName, exitRetryWait)
+	if eerr := a.EBPF.exit(!keep, a.Log); eerr != nil {
+		a.Log.Error("exit", "err", eerr)
+		err = errors.Join(err, eerr)
+	}
 	if keep {
 		a.Log.Info("keeping the plugin installed on exit", "reason", why)
 		return err

@@ -20,6 +20,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/logformat"
 	"github.com/meshcni/meshcni/pkg/podget"
+	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/repair"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -84,6 +85,14 @@ type Config struct {
 	AuditEscapedAction     audit.Action
 	AuditConcurrency       int
 	AuditFollowAnnotations bool
+
+	// eBPF acceleration (flags in ebpf.go).
+	EBPF                 EBPFMode
+	EBPFDefault          podspec.Acceleration
+	EBPFNamespaces       []string
+	EBPFForceUnavailable string
+	EBPFPinDir           string
+	EBPFCgroup2          string
 }
 
 // DefaultPluginServiceAccount is the plugin's ServiceAccount of the chart's release
@@ -191,6 +200,7 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 	fs.BoolVar(&c.MarkRedirected, "mark-redirected", true, "label each pod the plugin redirected "+RedirectedLabel+"="+RedirectedValue+" (one patch per meshed pod start, after its ADD; needs API access and --node-name)")
 	finishRepair := c.repairFlags(fs)
 	finishAudit := c.auditFlags(fs)
+	finishEBPF := c.ebpfFlags(fs)
 	return fs, func() error {
 		if err := c.LogLevel.UnmarshalText([]byte(logLevel)); err != nil {
 			return fmt.Errorf("--log-level %q: want debug, info, warn or error", logLevel)
@@ -211,6 +221,9 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 			if ns = strings.TrimSpace(ns); ns != "" {
 				c.ExcludeNamespaces = append(c.ExcludeNamespaces, ns)
 			}
+		}
+		if err := finishEBPF(); err != nil {
+			return err
 		}
 		if err := finishRepair(); err != nil {
 			return err

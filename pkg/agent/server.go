@@ -19,6 +19,9 @@ type HealthServer struct {
 	Metrics *Metrics
 	Log     *slog.Logger
 	Build   buildinfo.Info
+	// Detail, when set, adds lines to a ready /readyz answer (facts that do not
+	// make the agent unready, such as eBPF acceleration being unavailable).
+	Detail func() string
 
 	listening chan net.Addr
 }
@@ -28,9 +31,19 @@ func (s *HealthServer) Name() string { return "health server" }
 
 // Handler returns the server's routes.
 func (s *HealthServer) Handler() http.Handler {
+	h := healthz.Handler(nil, s.Ready, s.Metrics.Registry)
 	mux := http.NewServeMux()
 	mux.Handle("GET /version", s.Build.Handler())
-	mux.Handle("/", healthz.Handler(nil, s.Ready, s.Metrics.Registry))
+	mux.Handle("/", h)
+	if s.Detail != nil {
+		mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+			if s.Ready != nil && s.Ready() != nil {
+				h.ServeHTTP(w, r)
+				return
+			}
+			fmt.Fprintf(w, "ok\n%s\n", s.Detail())
+		})
+	}
 	return mux
 }
 

@@ -25,6 +25,7 @@ type SocketServer struct {
 	// OnResult, when set, gets every command result after the metrics (Marker.Observe);
 	// it must not block.
 	OnResult func(*agentsock.CommandResult)
+	EBPF     *EBPF // enables the eBPF acceleration of the pods the plugin reports (nil: none)
 }
 
 // Name implements Runnable.
@@ -48,6 +49,7 @@ func (s *SocketServer) Run(ctx context.Context) error {
 			if s.OnResult != nil {
 				s.OnResult(r)
 			}
+			s.EBPF.OnCommand(r)
 			args := []any{"command", r.Command, "result", r.Result, "duration_seconds", r.Seconds,
 				"pod_namespace", r.Pod.Namespace, "pod_name", r.Pod.Name}
 			if r.ErrorMsg != "" {
@@ -57,6 +59,17 @@ func (s *SocketServer) Run(ctx context.Context) error {
 		},
 	}
 	srv.OnRequest = func(_ context.Context, req *agentsock.Request) (json.RawMessage, error) {
+		if req.Type == agentsock.RequestEBPF {
+			var er agentsock.EBPFRequest
+			if err := json.Unmarshal(req.Body, &er); err != nil {
+				return nil, fmt.Errorf("eBPF request: %w", err)
+			}
+			resp, err := s.EBPF.Answer(er)
+			if err != nil {
+				return nil, err
+			}
+			return json.Marshal(resp)
+		}
 		if req.Type != agentsock.RequestPod {
 			return nil, agentsock.ErrUnsupported
 		}

@@ -212,6 +212,15 @@ func (c *Client) ReportCommand(command, result string, d time.Duration, pod Pod,
 	if cmdErr != nil {
 		r.ErrorMsg = cmdErr.Error()
 	}
+	return c.Report(r)
+}
+
+// Report sends a command result built by the caller (ReportCommand's fields plus
+// ContainerID and EBPF).
+func (c *Client) Report(r *CommandResult) error {
+	if c == nil {
+		return ErrClosed
+	}
 	line := appendCommandLine(make([]byte, 0, 256), r)
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -248,6 +257,25 @@ func appendCommandLine(b []byte, r *CommandResult) []byte {
 	if r.ErrorMsg != "" {
 		b = append(b, `,"error":`...)
 		b = appendJSONString(b, r.ErrorMsg)
+	}
+	if r.ContainerID != "" {
+		b = append(b, `,"container_id":`...)
+		b = appendJSONString(b, r.ContainerID)
+	}
+	if e := r.EBPF; e != nil {
+		b = append(b, `,"ebpf":{"netns_cookie":`...)
+		b = strconv.AppendUint(b, e.NetnsCookie, 10)
+		if e.Mode != "" {
+			b = append(b, `,"mode":`...)
+			b = appendJSONString(b, e.Mode)
+		}
+		b = append(b, `,"proxy_uid":`...)
+		b = strconv.AppendUint(b, uint64(e.ProxyUID), 10)
+		if e.PodUID != "" {
+			b = append(b, `,"pod_uid":`...)
+			b = appendJSONString(b, e.PodUID)
+		}
+		b = append(b, '}')
 	}
 	return append(b, "}}\n"...)
 }
@@ -359,6 +387,16 @@ func (c *Client) GetPod(ctx context.Context, req PodRequest) (*PodResponse, erro
 	}
 	if resp.Found && len(resp.Pod) == 0 {
 		return nil, fmt.Errorf("agentsock: %s: found without a pod", RequestPod)
+	}
+	return &resp, nil
+}
+
+// EBPF asks the agent whether the network namespace with this cookie is
+// accelerated. An error means the agent could not be asked.
+func (c *Client) EBPF(ctx context.Context, cookie uint64) (*EBPFResponse, error) {
+	var resp EBPFResponse
+	if err := c.Call(ctx, RequestEBPF, EBPFRequest{NetnsCookie: cookie}, &resp); err != nil {
+		return nil, err
 	}
 	return &resp, nil
 }

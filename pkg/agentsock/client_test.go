@@ -27,6 +27,12 @@ func TestCommandLineIsJSONMarshal(t *testing.T) {
 			&CommandResult{Command: CommandAdd, Result: ResultError, Pod: Pod{Namespace: "ns", Name: s}, ErrorMsg: "x: " + s},
 		)
 	}
+	for _, s := range []string{"", "to-proxy", "both", `q"`} {
+		results = append(results,
+			&CommandResult{Command: CommandAdd, Result: ResultSuccess, ContainerID: "c0ffee" + s, EBPF: &PodEBPF{NetnsCookie: math.MaxUint64, Mode: s, ProxyUID: 1337, PodUID: s}},
+			&CommandResult{Command: CommandDel, Result: ResultSuccess, ContainerID: s, EBPF: &PodEBPF{Mode: s}},
+		)
+	}
 	for _, f := range floats {
 		results = append(results, &CommandResult{Command: CommandCheck, Result: ResultSuccess, Seconds: f})
 	}

@@ -88,6 +88,27 @@ type CommandResult struct {
 	Seconds  float64 `json:"duration_seconds"`
 	Pod      Pod     `json:"pod"`
 	ErrorMsg string  `json:"error,omitempty"`
+	// ContainerID is the pod sandbox's (CNI_CONTAINERID): the agent pairs an ADD's
+	// EBPF with the sandbox's DEL by it.
+	ContainerID string `json:"container_id,omitempty"`
+	// EBPF is set on a successful ADD of a meshed pod whose eBPF acceleration is
+	// not off by annotation: what the agent needs to enable it (pkg/agent/ebpf.go).
+	EBPF *PodEBPF `json:"ebpf,omitempty"`
+}
+
+// PodEBPF is a meshed pod's network namespace as eBPF acceleration needs it.
+type PodEBPF struct {
+	// NetnsCookie is the pod netns's SO_NETNS_COOKIE, read by the plugin inside it.
+	NetnsCookie uint64 `json:"netns_cookie"`
+	// Mode is the pod's meshcni.io/ebpf-acceleration annotation, parsed
+	// (to-proxy or both); empty: the pod has none and the agent's default applies.
+	Mode string `json:"mode,omitempty"`
+	// ProxyUID is the UID of the pod's proxy, whose connections to the network
+	// are left alone.
+	ProxyUID uint32 `json:"proxy_uid"`
+	// PodUID is K8S_POD_UID, when the runtime gives it: the agent disables the
+	// pod's entry when this pod (not a later one of the same name) is deleted.
+	PodUID string `json:"pod_uid,omitempty"`
 }
 
 // Request asks the agent something; Body's shape depends on Type.
@@ -123,6 +144,23 @@ type PodResponse struct {
 	Found  bool            `json:"found"`
 	Reason string          `json:"reason,omitempty"`
 	Pod    json.RawMessage `json:"pod,omitempty"`
+}
+
+// RequestEBPF asks whether a network namespace is on the node's eBPF acceleration
+// allow-list (meshcnictl inspect). Body: EBPFRequest; answer: EBPFResponse.
+const RequestEBPF = "ebpf"
+
+// EBPFRequest names a network namespace by its cookie (SO_NETNS_COOKIE).
+type EBPFRequest struct {
+	NetnsCookie uint64 `json:"netns_cookie"`
+}
+
+// EBPFResponse answers a RequestEBPF. Available is false when the agent has not
+// loaded the acceleration; Reason then says why (off, or what the node lacks).
+type EBPFResponse struct {
+	Available   bool   `json:"available"`
+	Reason      string `json:"reason,omitempty"`
+	Accelerated bool   `json:"accelerated"`
 }
 
 // Log attribute keys lifted into LogRecord.Pod.

@@ -44,6 +44,8 @@ func TestPluginLinksNoKubernetes(t *testing.T) {
 		"google.golang.org/protobuf/",
 		"github.com/spf13/pflag", // flag parsing: meshcnictl's and the agent's, not the plugin's
 		"github.com/spf13/cobra",
+		"github.com/cilium/ebpf", // eBPF: the agent's; the plugin reads the netns cookie with getsockopt
+		"github.com/meshcni/meshcni/pkg/ebpf/",
 	}
 	for _, d := range deps {
 		for _, f := range forbidden {

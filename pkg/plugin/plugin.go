@@ -131,6 +131,7 @@ type invocation struct {
 	log       *slog.Logger
 	sock      *agentsock.Client
 	start     time.Time
+	ebpf      *agentsock.PodEBPF // a meshed pod's, reported with a successful ADD
 }
 
 func (p *Plugin) begin(args *skel.CmdArgs, withPrev bool) (*invocation, error) {
@@ -177,7 +178,14 @@ func (inv *invocation) end(command string, err error) {
 	if err != nil {
 		result = agentsock.ResultError
 	}
-	_ = inv.sock.ReportCommand(command, result, time.Since(inv.start), agentsock.Pod{Namespace: inv.namespace, Name: inv.name}, err)
+	r := &agentsock.CommandResult{Command: command, Result: result, Seconds: time.Since(inv.start).Seconds(),
+		Pod: agentsock.Pod{Namespace: inv.namespace, Name: inv.name}, ContainerID: inv.args.ContainerID}
+	if err != nil {
+		r.ErrorMsg = err.Error()
+	} else {
+		r.EBPF = inv.ebpf
+	}
+	_ = inv.sock.Report(r)
 	_ = inv.sock.Close()
 }
 
@@ -265,7 +273,7 @@ func (p *Plugin) add(inv *invocation, prev *current.Result) error {
 		inv.log.Info("pod not meshed", "reason", d.Reason)
 		return nil
 	}
-	s, err := p.podSpec(inv, pod, prev)
+	s, accel, err := p.podSpec(inv, pod, prev)
 	if err != nil {
 		return err
 	}
@@ -277,6 +285,7 @@ func (p *Plugin) add(inv *invocation, prev *current.Result) error {
 	}
 	inv.log.Info("pod meshed: redirect applied", "reason", d.Reason, "backend", k, "mode", s.Mode,
 		"ipv4", s.EnableIPv4, "ipv6", s.IPv6Captured(), "ipv6Mode", s.IPv6, "duration", time.Since(inv.start))
+	inv.ebpf = inv.ebpfReport(accel, s)
 	return nil
 }
 
@@ -291,11 +300,12 @@ func (inv *invocation) engineOptions() engine.Options {
 	return o
 }
 
-// podSpec derives the spec and sets its families from the pod's addresses.
-func (p *Plugin) podSpec(inv *invocation, pod *podspec.Pod, prev *current.Result) (*spec.Spec, error) {
+// podSpec derives the spec and sets its families from the pod's addresses; it also
+// returns the pod's eBPF acceleration.
+func (p *Plugin) podSpec(inv *invocation, pod *podspec.Pod, prev *current.Result) (*spec.Spec, podspec.Acceleration, error) {
 	res, err := inv.cfg.PodspecConfig().Build(pod)
 	if err != nil {
-		return nil, types.NewError(types.ErrInvalidNetworkConfig, fmt.Sprintf(
+		return nil, "", types.NewError(types.ErrInvalidNetworkConfig, fmt.Sprintf(
 			"pod %s/%s: %v; fix the annotation and recreate the pod (no redirect rule was applied)",
 			inv.namespace, inv.name, trimPodPrefix(err, pod)), "")
 	}
@@ -304,10 +314,10 @@ func (p *Plugin) podSpec(inv *invocation, pod *podspec.Pod, prev *current.Result
 	}
 	addrs, err := p.podAddrs(inv, prev)
 	if err != nil {
-		return nil, err
+		return nil, "", err
 	}
 	podspec.WithFamilies(res.Spec, addrs)
-	return res.Spec, nil
+	return res.Spec, res.EBPF, nil
 }
 
 // podAddrs are the pod's addresses: the prevResult's IPs, else (no prevResult, or
@@ -541,7 +551,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) (err error) {
 		inv.log.Debug("CHECK: pod not meshed, nothing to check", "reason", d.Reason)
 		return nil
 	}
-	s, err := p.podSpec(inv, pod, prev)
+	s, _, err := p.podSpec(inv, pod, prev)
 	if err != nil {
 		return err
 	}

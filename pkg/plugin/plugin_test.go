@@ -286,6 +286,10 @@ func TestAddFailures(t *testing.T) {
 			h.api.AddPod(meshed("app", "web", map[string]string{podspec.AnnotationIPv6: "pass"}))
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
 		}, types.ErrInvalidNetworkConfig, []string{`invalid meshcni.io/ipv6 "pass": want istio, capture or drop`, "no redirect rule was applied"}},
+		{"bad eBPF acceleration annotation", func(h *harness) *skel.CmdArgs {
+			h.api.AddPod(meshed("app", "web", map[string]string{podspec.AnnotationEBPFAcceleration: "on"}))
+			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
+		}, types.ErrInvalidNetworkConfig, []string{`invalid meshcni.io/ebpf-acceleration "on": want off, to-proxy or both`, "no redirect rule was applied"}},
 		{"no prevResult and no address in the netns", func(h *harness) *skel.CmdArgs {
 			// meshcni listed before the plugin that creates the pod's interface.
 			h.api.AddPod(meshed("app", "web", nil))

@@ -217,6 +217,8 @@ type Result struct {
 	// Warnings lists values istio-cni ignores with a warning (unparseable booleans in
 	// the proxy's environment); meshcni ignores them the same way and logs them.
 	Warnings []string
+	// EBPF is the pod's meshcni.io/ebpf-acceleration (AccelDefault without it).
+	EBPF Acceleration
 }
 
 // Spec derives the pod's redirect spec. See Build.
@@ -248,7 +250,8 @@ func Spec(pod *Pod) (*spec.Spec, error) {
 //     plugin then sets the families from the pod's actual addresses as Istio does,
 //     see WithFamilies);
 //   - meshcni.io/ipv6 (meshcni's own) → the IPv6 mode, else the node's (Config.IPv6),
-//     else istio.
+//     else istio;
+//   - meshcni.io/ebpf-acceleration (meshcni's own) → Result.EBPF.
 //
 // A present annotation with a bad value is an error (a *spec.FieldError naming the
 // annotation and the value); nothing must be applied then.
@@ -264,6 +267,9 @@ func (c Config) Build(pod *Pod) (Result, error) {
 	ann := pod.Annotations
 	var err error
 	if s.IPv6, err = c.ipv6(ann); err != nil {
+		return Result{}, err
+	}
+	if res.EBPF, err = acceleration(ann); err != nil {
 		return Result{}, err
 	}
 	get := func(key, def string) string {

@@ -270,6 +270,9 @@ func TestSpecBadValues(t *testing.T) {
 		{meshedPod(ann(AnnotationIPv6, "pass")), AnnotationIPv6, "pass"},
 		{meshedPod(ann(AnnotationIPv6, "")), AnnotationIPv6, ""},
 		{meshedPod(ann(AnnotationIPv6, "true")), AnnotationIPv6, "true"},
+		{meshedPod(ann(AnnotationEBPFAcceleration, "on")), AnnotationEBPFAcceleration, "on"},
+		{meshedPod(ann(AnnotationEBPFAcceleration, "")), AnnotationEBPFAcceleration, ""},
+		{meshedPod(ann(AnnotationEBPFAcceleration, "to_proxy")), AnnotationEBPFAcceleration, "to_proxy"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.field+"="+tt.value, func(t *testing.T) {
