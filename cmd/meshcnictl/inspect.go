@@ -344,7 +344,7 @@ func printInspect(out io.Writer, r *inspectReport) {
 		}
 	}
 	if r.EBPFReason != "" {
-		fmt.Fprintf(out, "ebpf:     %s (%s)\n", r.EBPF, r.EBPFReason)
+		fmt.Fprintf(out, "ebpf:     %s; %s\n", r.EBPF, r.EBPFReason)
 	} else {
 		fmt.Fprintf(out, "ebpf:     %s\n", r.EBPF)
 	}

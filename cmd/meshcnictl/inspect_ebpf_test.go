@@ -87,7 +87,7 @@ func TestInspectEBPF(t *testing.T) {
 		netns, runDir, want string
 	}{
 		{on, dir, "ebpf:     accelerated\n"},
-		{off, dir, "ebpf:     not accelerated (not on the agent's acceleration allow-list)\n"},
+		{off, dir, "ebpf:     not accelerated; not on the agent's acceleration allow-list\n"},
 		{on, t.TempDir() + "/none", "ebpf:     unknown: ask meshcni's agent: socket in "},
 	} {
 		out, code, err := ctl(t, "inspect", "--agent-run-dir", tc.runDir, tc.netns)

@@ -262,7 +262,7 @@ func TestInspectExplainTestbed(t *testing.T) {
 	configLine := "config:   meshcni entry of " + filepath.Join(testbed.CNIConfDir, testbed.DefaultConflistName)
 	// The agent runs without --ebpf-acceleration; inspect finds its socket through the
 	// entry's cni_agent_run_dir.
-	agentOff := "ebpf:     not accelerated (the agent has not loaded eBPF acceleration: off)"
+	agentOff := "ebpf:     not accelerated; the agent has not loaded eBPF acceleration: off"
 	for _, tc := range []struct {
 		pod      string
 		extra    []string
