@@ -49,6 +49,7 @@ type inspectFlags struct {
 	nodeName     string
 	backend      string
 	cniConfDir   string
+	agentRunDir  string
 	// pluginFlags: --exclude-namespaces or --agent-pod-label given, which then win
 	// over the node's meshcni entry.
 	pluginFlags bool
@@ -74,6 +75,11 @@ refuses to choose. --netns PATH skips the search.
 NETNS is a path to a network namespace file (absolute, or starting with ./ or ../),
 e.g. /var/run/netns/cni-1234 or /proc/PID/ns/net: its live rules are printed, with
 nothing to compare them with.
+
+It also asks meshcni's agent on this node, over its socket in --agent-run-dir
+(default: the cni_agent_run_dir of the node's meshcni entry, else /var/run/meshcni),
+whether the namespace is eBPF-accelerated (docs/ebpf.md): "accelerated", "not
+accelerated", or "unknown: <why>" when the agent cannot be asked.
 
 -o json or -o yaml prints a PodRedirectInspection (apiVersion meshcni.io/v1alpha1).
 
@@ -102,6 +108,7 @@ that is not meshed; 2 on usage errors and when the pod or its netns cannot be fo
 	fl.StringVar(&f.backend, "backend", "auto", "backend whose rules to read: auto (whichever holds rules), nftables, iptables-nft or iptables-legacy")
 	fl.StringVarP(&f.output, "output", "o", "text", "output format: text, json or yaml")
 	fl.StringVar(&f.cniConfDir, "cni-conf-dir", "/etc/cni/net.d", "the node's CNI configuration directory: the plugin's exclude_namespaces, agent_pod_namespace and agent_pod_label are read from meshcni's entry there, unless given as flags")
+	fl.StringVar(&f.agentRunDir, "agent-run-dir", "", "directory of meshcni agent's socket, asked whether the pod is eBPF-accelerated (default: the cni_agent_run_dir of the node's meshcni entry, else "+defaultAgentRunDir+")")
 	return cmd
 }
 
@@ -144,6 +151,10 @@ type inspectReport struct {
 	Drift        *driftReport            `json:"drift,omitempty"` // meshed pods only
 	Status       string                  `json:"status"`
 	Problems     []string                `json:"problems,omitempty"`
+	// EBPF is "accelerated", "not accelerated" or "unknown: <why>" (the agent could
+	// not be asked); EBPFReason says why a pod is not accelerated.
+	EBPF       string `json:"ebpf"`
+	EBPFReason string `json:"ebpfReason,omitempty"`
 
 	plan *podPlan
 	pod  *corev1.Pod
@@ -191,6 +202,7 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 	}
 
 	r := &inspectReport{TypeMeta: ctlout.Meta(inspectKind), Netns: f.netns}
+	runDir := f.agentRunDir
 	// enter is the path the rules are read through: the one given, else the found
 	// namespace's open handle (r.Netns names it).
 	enter := f.netns
@@ -209,6 +221,9 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 			case err == nil:
 				f.excludeNamespaces, f.agentNamespace, f.agentLabel, r.PluginConfig = cfg.ExcludeNamespaces, cfg.AgentNamespace, cfg.AgentLabel.String(), file
 				f.ipv6Mode = string(cfg.IPv6)
+				if runDir == "" {
+					runDir = cfg.AgentRunDir
+				}
 			case errors.Is(err, errNoEntry), errors.Is(err, fs.ErrNotExist):
 				// Not installed here (or another conf dir): the flags' defaults decide.
 			default:
@@ -244,6 +259,10 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 			r.Live[k] = txt
 		}
 	}
+	if runDir == "" {
+		runDir = defaultAgentRunDir
+	}
+	r.inspectEBPF(ctx, enter, runDir)
 	holders := sortedKinds(r.Live)
 	switch {
 	case r.plan == nil:
@@ -323,6 +342,11 @@ func printInspect(out io.Writer, r *inspectReport) {
 				fmt.Fprintf(out, "  %s\n", line)
 			}
 		}
+	}
+	if r.EBPFReason != "" {
+		fmt.Fprintf(out, "ebpf:     %s; %s\n", r.EBPF, r.EBPFReason)
+	} else {
+		fmt.Fprintf(out, "ebpf:     %s\n", r.EBPF)
 	}
 	msg := map[string]string{
 		statusInSync:          "in sync: the live rules are the ones the pod's annotations ask for",

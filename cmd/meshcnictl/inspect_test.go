@@ -260,13 +260,16 @@ func TestInspectExplainTestbed(t *testing.T) {
 	// --cni-conf-dir: the decision uses the plugin's entry the agent wrote there.
 	common := []string{"--kubeconfig", tb.Kubeconfig(), "--netns-dir", testbedNetnsDir, "--node-name", testbed.NodeName, "--cni-conf-dir", testbed.CNIConfDir}
 	configLine := "config:   meshcni entry of " + filepath.Join(testbed.CNIConfDir, testbed.DefaultConflistName)
+	// The agent runs without --ebpf-acceleration; inspect finds its socket through the
+	// entry's cni_agent_run_dir.
+	agentOff := "ebpf:     not accelerated; the agent has not loaded eBPF acceleration: off"
 	for _, tc := range []struct {
 		pod      string
 		extra    []string
 		wantCode int
 		want     []string
 	}{
-		{"meshed", nil, 0, []string{"decision: redirected", configLine, "exclude 5432", "live:     nftables", "redirect to :15006", "drift:    none", "result:   in sync"}},
+		{"meshed", nil, 0, []string{"decision: redirected", configLine, "exclude 5432", "live:     nftables", "redirect to :15006", "drift:    none", agentOff, "result:   in sync"}},
 		{"plain", nil, 0, []string{"decision: not redirected", "reason:   no istio-proxy container", "live:     no meshcni rules", "result:   not meshed"}},
 		{"broken", nil, exitDrift, []string{"decision: redirected", "drift:\n  missing:", "istio-inbound", "result:   DRIFT"}},
 		{"plain-ruled", nil, exitDrift, []string{"decision: not redirected", "live:     nftables", "result:   UNEXPECTED RULES: the pod is not meshed but nftables holds meshcni rules"}},
@@ -308,7 +311,7 @@ func TestInspectExplainTestbed(t *testing.T) {
 			t.Fatalf("json: %v\n%s", err, out)
 		}
 		if code != exitDrift || r.Status != statusDrift || r.Meshed == nil || !*r.Meshed || r.Drift == nil || len(r.Drift.Missing) == 0 ||
-			r.Pod != inspectNS+"/broken" || r.Node != testbed.NodeName || r.PluginConfig != filepath.Join(testbed.CNIConfDir, testbed.DefaultConflistName) || !strings.HasPrefix(r.Netns, testbedNetnsDir) || r.Live[backend.Nftables] == "" {
+			r.Pod != inspectNS+"/broken" || r.Node != testbed.NodeName || r.PluginConfig != filepath.Join(testbed.CNIConfDir, testbed.DefaultConflistName) || !strings.HasPrefix(r.Netns, testbedNetnsDir) || r.Live[backend.Nftables] == "" || r.EBPF != ebpfNotAccelerated {
 			t.Fatalf("exit %d, report %+v", code, r)
 		}
 		for _, m := range r.Drift.Missing {

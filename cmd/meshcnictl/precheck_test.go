@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"path/filepath"
+	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -20,6 +22,7 @@ import (
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/agentversion"
+	"github.com/meshcni/meshcni/pkg/buildinfo"
 	"github.com/meshcni/meshcni/pkg/precheck"
 )
 
@@ -50,6 +53,9 @@ func TestPrecheckVersionTestbed(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 		defer cancel()
 		_ = tb.Client.CoreV1().Namespaces().Delete(ctx, precheckNS, metav1.DeleteOptions{})
+		if err := istio.UninstallIstioCNI(ctx, tb, istio.Options{RepoRoot: root}); err != nil {
+			t.Errorf("istio-cni down: %v", err)
+		}
 		if err := istio.Down(ctx, tb, istio.Options{RepoRoot: root}); err != nil {
 			t.Errorf("istio down: %v", err)
 		}
@@ -108,14 +114,39 @@ func TestPrecheckVersionTestbed(t *testing.T) {
 		t.Errorf("before meshcni: %d blockers, meshcni %+v, istio-cni %+v", r.Blockers, r.Meshcni, r.IstioCNI)
 	}
 
-	// meshcni installed by its chart: the node is covered; the canary revision is the
-	// only blocker, and none once it is gone.
+	// Istio's istio-cni, installed by its own chart with its install-cni image: the
+	// node is covered by it alone; the canary revision is the only blocker.
+	if err := istio.InstallIstioCNI(ctx, tb, istio.Options{RepoRoot: root}); err != nil {
+		t.Fatalf("install istio-cni: %v", err)
+	}
+	r = precheckJSON(t, kc, exitBlockers)
+	wantFindings(t, r,
+		"BLOCKER  injector istio-system/istio-sidecar-injector-canary",
+		"INFO     Istio's istio-cni is installed: DaemonSet "+istio.Namespace+"/"+istio.CNIDaemonSet+", Ready on node "+testbed.NodeName,
+		"INFO     only istio-cni redirects on node "+testbed.NodeName+"  => install meshcni and wait for its agent to be Ready there before removing istio-cni",
+		"INFO     meshcni is not installed",
+	)
+	if r.Blockers != 1 || r.IstioCNI == nil || !slices.Equal(r.IstioCNI.ReadyNodes, []string{testbed.NodeName}) || len(r.IstioCNI.NotReadyNodes) != 0 || r.Meshcni != nil {
+		t.Errorf("with istio-cni: %d blockers, istio-cni %+v, meshcni %+v", r.Blockers, r.IstioCNI, r.Meshcni)
+	}
+
+	// meshcni installed by its chart next to istio-cni: both cover the node; once
+	// istio-cni is gone, meshcni alone; the canary revision is the only blocker, and
+	// none once it is gone.
 	if _, err := demo.Install(ctx, tb, demo.Options{RepoRoot: root, Keep: true}); err != nil {
 		t.Fatalf("install meshcni: %v", err)
 	}
 	r = precheckJSON(t, kc, exitBlockers)
+	wantFindings(t, r, "INFO     istio-cni and meshcni are both Ready on node "+testbed.NodeName+": a new pod is redirected by both")
+	if r.Blockers != 1 || r.IstioCNI == nil || r.Meshcni == nil || len(r.Meshcni.ReadyNodes) != 1 {
+		t.Errorf("with istio-cni and meshcni: %d blockers, istio-cni %+v, meshcni %+v", r.Blockers, r.IstioCNI, r.Meshcni)
+	}
+	if err := istio.UninstallIstioCNI(ctx, tb, istio.Options{RepoRoot: root}); err != nil {
+		t.Fatalf("uninstall istio-cni: %v", err)
+	}
+	r = precheckJSON(t, kc, exitBlockers)
 	wantFindings(t, r, "BLOCKER  injector istio-system/istio-sidecar-injector-canary", "INFO     only meshcni redirects on node "+testbed.NodeName)
-	if r.Blockers != 1 || r.Meshcni == nil || len(r.Meshcni.ReadyNodes) != 1 || r.Meshcni.Chained == nil || !*r.Meshcni.Chained {
+	if r.Blockers != 1 || r.Meshcni == nil || len(r.Meshcni.ReadyNodes) != 1 || r.Meshcni.Chained == nil || !*r.Meshcni.Chained || r.IstioCNI != nil {
 		t.Errorf("with meshcni: %d blockers, meshcni %+v", r.Blockers, r.Meshcni)
 	}
 	if err := tb.Client.CoreV1().ConfigMaps(istio.Namespace).Delete(ctx, canary.Name, metav1.DeleteOptions{}); err != nil {
@@ -260,8 +291,9 @@ func wantFindings(t *testing.T, r precheckReport, want ...string) {
 }
 
 // testVersionAgents: version finds the chart's agent pod on the node and reports
-// its version, from GET /version through the API server's pods proxy when the agent
-// serves it, else from its image (meshcni.local/meshcni:dev here) with a note.
+// the version the agent itself serves on GET /version (pkg/buildinfo), through the
+// API server's pods proxy: demo.Install built its image here with tag and
+// main.version "dev", with this test's Go toolchain, for this host's architecture.
 func testVersionAgents(t *testing.T, kubeconfig string) {
 	out, code, err := ctl(t, "version", "--kubeconfig", kubeconfig, "-o", "json")
 	if code != 0 || err != nil {
@@ -275,24 +307,16 @@ func testVersionAgents(t *testing.T, kubeconfig string) {
 		t.Fatalf("version: %d agents, want 1:\n%s", len(r.Agents), out)
 	}
 	a := r.Agents[0]
-	switch a.Source {
-	case agentversion.FromAgent:
-		if a.Version == "" || a.Platform != "linux/amd64" || a.GoVersion == "" || a.Note != "" {
-			t.Errorf("version from the agent: %+v", a)
-		}
-	case agentversion.FromImage:
-		if a.Version != "dev" || !strings.Contains(a.Note, "did not answer GET /version") {
-			t.Errorf("version from the image: %+v", a)
-		}
-	default:
-		t.Errorf("version: source %q", a.Source)
+	want := buildinfo.Info{Version: "dev", GoVersion: runtime.Version(), Platform: "linux/" + runtime.GOARCH}
+	if got := (buildinfo.Info{Version: a.Version, GoVersion: a.GoVersion, Platform: a.Platform}); a.Source != agentversion.FromAgent || got != want || a.Note != "" {
+		t.Errorf("version: agent %+v; want source %q and %+v from its GET /version", a, agentversion.FromAgent, want)
 	}
 	if a.Node != testbed.NodeName || !strings.HasSuffix(a.Image, "/meshcni:dev") {
 		t.Errorf("version: %+v", a)
 	}
 	text, _, _ := ctl(t, "version", "--kubeconfig", kubeconfig)
 	t.Logf("meshcnictl version:\n%s", text)
-	if !strings.Contains(text, "node "+testbed.NodeName+": meshcni-agent ") {
+	if !strings.Contains(text, "node "+testbed.NodeName+": meshcni-agent dev ("+want.GoVersion+", "+want.Platform+") pod ") {
 		t.Errorf("version text:\n%s", text)
 	}
 }

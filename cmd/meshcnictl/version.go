@@ -7,7 +7,6 @@ import (
 	"io"
 	"net/url"
 	"os"
-	"runtime"
 	"runtime/debug"
 	"strconv"
 	"time"
@@ -16,6 +15,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshcni/meshcni/pkg/agentversion"
+	"github.com/meshcni/meshcni/pkg/buildinfo"
 	"github.com/meshcni/meshcni/pkg/ctlout"
 	"github.com/meshcni/meshcni/pkg/kubeget"
 	"github.com/meshcni/meshcni/pkg/precheck"
@@ -32,22 +32,20 @@ const versionKind = "Version"
 
 type versionReport struct {
 	ctlout.TypeMeta `json:",inline"`
-	Client          agentversion.Info   `json:"client"`
+	Client          buildinfo.Info      `json:"client"`
 	Agents          []agentversion.Node `json:"agents,omitempty"`
 	// AgentsError says why the agents were not asked ("" when they were).
 	AgentsError string `json:"agentsError,omitempty"`
 }
 
-// clientVersion is -X main.version, else the module version Go stamped, else "dev".
-func clientVersion() agentversion.Info {
+// clientVersion is -X main.version, else the module version Go stamped, else "dev"
+// (buildinfo.New), as the agent reports its own on GET /version.
+func clientVersion() buildinfo.Info {
 	v := version
 	if bi, ok := debug.ReadBuildInfo(); v == "" && ok && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
 		v = bi.Main.Version
 	}
-	if v == "" {
-		v = "dev"
-	}
-	return agentversion.Info{Version: v, GoVersion: runtime.Version(), Platform: runtime.GOOS + "/" + runtime.GOARCH}
+	return buildinfo.New(v)
 }
 
 func newVersionCmd() *cobra.Command {

@@ -12,6 +12,8 @@ import (
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
+
+	"github.com/meshcni/meshcni/pkg/buildinfo"
 )
 
 // Path is the agent's version endpoint on its health and metrics server.
@@ -24,21 +26,15 @@ const DefaultPort = 9807
 // PortName is the name of the agent container's health and metrics port in the chart.
 const PortName = "metrics"
 
-// Info is the answer of GET /version.
-type Info struct {
-	Version   string `json:"version"`
-	GoVersion string `json:"goVersion"`
-	Platform  string `json:"platform"`
-}
-
-// Decode parses the answer of GET /version; a version is required.
-func Decode(body []byte) (Info, error) {
-	var i Info
+// Decode parses the answer of GET /version (the agent's buildinfo.Info); a version
+// is required.
+func Decode(body []byte) (buildinfo.Info, error) {
+	var i buildinfo.Info
 	if err := json.Unmarshal(body, &i); err != nil {
-		return Info{}, fmt.Errorf("parse /version: %w", err)
+		return buildinfo.Info{}, fmt.Errorf("parse /version: %w", err)
 	}
 	if i.Version == "" {
-		return Info{}, errors.New("parse /version: no \"version\"")
+		return buildinfo.Info{}, errors.New("parse /version: no \"version\"")
 	}
 	return i, nil
 }
@@ -94,7 +90,7 @@ func one(ctx context.Context, pod *corev1.Pod, fetch Fetch) Node {
 	} else {
 		var body []byte
 		if body, err = fetch(ctx, pod, port, Path); err == nil {
-			var i Info
+			var i buildinfo.Info
 			if i, err = Decode(body); err == nil {
 				n.Version, n.GoVersion, n.Platform, n.Source = i.Version, i.GoVersion, i.Platform, FromAgent
 				return n

@@ -3,23 +3,27 @@ package agentversion
 import (
 	"context"
 	"errors"
+	"io"
+	"net/http/httptest"
 	"strings"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/meshcni/meshcni/pkg/buildinfo"
 )
 
 func TestDecode(t *testing.T) {
 	for _, tc := range []struct {
 		body    string
-		want    Info
+		want    buildinfo.Info
 		wantErr string
 	}{
-		{`{"version":"0.3.0","goVersion":"go1.26.8","platform":"linux/amd64"}`, Info{"0.3.0", "go1.26.8", "linux/amd64"}, ""},
-		{`{"version":"dev","extra":1}`, Info{Version: "dev"}, ""},
-		{`{"goVersion":"go1.26.8"}`, Info{}, `no "version"`},
-		{`404 page not found`, Info{}, "parse /version"},
+		{`{"version":"0.3.0","goVersion":"go1.26.8","platform":"linux/amd64"}`, buildinfo.Info{Version: "0.3.0", GoVersion: "go1.26.8", Platform: "linux/amd64"}, ""},
+		{`{"version":"dev","extra":1}`, buildinfo.Info{Version: "dev"}, ""},
+		{`{"goVersion":"go1.26.8"}`, buildinfo.Info{}, `no "version"`},
+		{`404 page not found`, buildinfo.Info{}, "parse /version"},
 	} {
 		got, err := Decode([]byte(tc.body))
 		if tc.wantErr != "" {
@@ -91,5 +95,25 @@ func TestCollect(t *testing.T) {
 	}
 	if strings.Join(asked, " ") != "a-old:version a-new:version" {
 		t.Errorf("asked %v; want the running pods only", asked)
+	}
+}
+
+// TestDecodeAgentHandler: what the agent serves on GET /version (buildinfo's
+// handler) is what Decode reads.
+func TestDecodeAgentHandler(t *testing.T) {
+	srv := httptest.NewServer(buildinfo.Info{Version: "0.4.1", GoVersion: "go1.26.8", Platform: "linux/arm64"}.Handler())
+	defer srv.Close()
+	resp, err := srv.Client().Get(srv.URL + "/" + Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := Decode(body)
+	if want := (buildinfo.Info{Version: "0.4.1", GoVersion: "go1.26.8", Platform: "linux/arm64"}); err != nil || got != want {
+		t.Fatalf("Decode(%q) = %+v, %v; want %+v", body, got, err, want)
 	}
 }
