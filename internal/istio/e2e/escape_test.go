@@ -82,6 +82,14 @@ func escapeCase(ctx context.Context, t *testing.T, tb *testbed.Testbed, ns, name
 	before := scrapeValue(t, metricsURL, "meshcni_drift_detected_total", noRedirect)
 	handledBefore := scrapeValue(t, metricsURL, "meshcni_drift_repaired_total", noRedirect)
 	pid := agentPID(t, ap)
+	// The agent's restart (helm upgrade) may have left the not-ready taint for a moment:
+	// the pod must not wait for its removal while the agent is paused.
+	waitUntil(ctx, t, time.Minute, "the node without the not-ready taint", func() error {
+		if hasTaint(t, tb) {
+			return errors.New("tainted")
+		}
+		return nil
+	})
 
 	// Pause the agent, take meshcni out of the chain behind its back.
 	if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
