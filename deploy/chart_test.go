@@ -518,7 +518,8 @@ func (c *chart) checkRBAC(t *testing.T) {
 		t.Fatal("no ClusterRole meshcni-agent")
 	}
 	want := []string{"list", "watch"}
-	if c.agentC.Repair && c.agentC.RepairAction == repair.ActionDelete {
+	if c.agentC.Repair && c.agentC.RepairAction == repair.ActionDelete ||
+		c.agentC.AuditPeriod > 0 && c.agentC.AuditEscapedAction == "delete" {
 		want = append(want, "delete")
 	}
 	if c.agentC.MarkRedirected || c.agentC.Repair && c.agentC.RepairAction == repair.ActionLabel {
@@ -526,7 +527,8 @@ func (c *chart) checkRBAC(t *testing.T) {
 	}
 	sort.Strings(want)
 	if got := podVerbs(typed[rbacv1.ClusterRole](t, cr)); !slices.Equal(got, want) {
-		t.Errorf("agent pod verbs %v, want %v (repair %v, action %s)", got, want, c.agentC.Repair, c.agentC.RepairAction)
+		t.Errorf("agent pod verbs %v, want %v (repair %v, action %s; audit period %s, escaped action %s)", got, want,
+			c.agentC.Repair, c.agentC.RepairAction, c.agentC.AuditPeriod, c.agentC.AuditEscapedAction)
 	}
 	c.checkPluginRBAC(t)
 	for _, o := range c.objs {

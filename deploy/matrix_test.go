@@ -124,6 +124,11 @@ func matrix() []matrixCase {
 				t.Errorf("action %s, mounts %v (netns dirs are for the audit too)", c.agentC.RepairAction, mountPaths(c))
 			}
 		}},
+		{name: "audit-escaped-repair", values: []string{"audit.escapedAction=repair"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.AuditEscapedAction != "repair" || c.agentC.AuditPeriod.String() != "1m0s" {
+				t.Errorf("audit config %s %s", c.agentC.AuditEscapedAction, c.agentC.AuditPeriod)
+			}
+		}},
 		{name: "repair-delete-audit-off", values: []string{"repair.action=delete", "audit.period=0s"}, check: func(t *testing.T, c *chart) {
 			if c.agentC.RepairAction != repair.ActionDelete || c.agentC.AuditPeriod != 0 || mountPaths(c)["/var/run/netns"] {
 				t.Errorf("action %s, audit period %s, mounts %v (netns dirs only for repair in place or the audit)", c.agentC.RepairAction, c.agentC.AuditPeriod, mountPaths(c))

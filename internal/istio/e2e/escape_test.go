@@ -480,7 +480,11 @@ func podWarning(ctx context.Context, tb *testbed.Testbed, p *corev1.Pod, reason 
 			return e.Message, nil
 		}
 	}
-	return "", fmt.Errorf("%d events, none %s", len(evs.Items), reason)
+	var seen []string
+	for _, e := range evs.Items {
+		seen = append(seen, e.Reason+": "+e.Message)
+	}
+	return "", fmt.Errorf("%d events, none %s: %q", len(evs.Items), reason, seen)
 }
 
 // scrapeValue reads one sample of the agent's metrics (0 when absent).
