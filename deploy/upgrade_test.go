@@ -12,6 +12,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshcni/meshcni/internal/build/image"
@@ -119,6 +120,10 @@ func podStream(ctx context.Context, t *testing.T, tb *testbed.Testbed, prefix st
 type audit struct {
 	redirected, unredirected, notStarted []string
 	drift                                []string // one line per unredirected pod
+	// deleted: gone before they could be checked. The test deletes none of them:
+	// meshcni's audit deleted them as escaped (started with no redirect, no
+	// validation init container; audit.escapedAction delete).
+	deleted []string
 }
 
 // auditPods waits up to wait for every pod to run, then checks from the node, in each
@@ -131,6 +136,9 @@ func auditPods(ctx context.Context, t *testing.T, tb *testbed.Testbed, names []s
 		var pod *corev1.Pod
 		for {
 			p, err := tb.Client.CoreV1().Pods(streamNamespace).Get(ctx, name, metav1.GetOptions{})
+			if apierrors.IsNotFound(err) {
+				break
+			}
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -144,10 +152,18 @@ func auditPods(ctx context.Context, t *testing.T, tb *testbed.Testbed, names []s
 			time.Sleep(200 * time.Millisecond)
 		}
 		if pod == nil {
-			a.notStarted = append(a.notStarted, name)
+			if gone(ctx, t, tb, name) {
+				a.deleted = append(a.deleted, name)
+			} else {
+				a.notStarted = append(a.notStarted, name)
+			}
 			continue
 		}
 		netns, err := tb.PodNetns(ctx, streamNamespace, name)
+		if err != nil && gone(ctx, t, tb, name) {
+			a.deleted = append(a.deleted, name)
+			continue
+		}
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -162,6 +178,8 @@ func auditPods(ctx context.Context, t *testing.T, tb *testbed.Testbed, names []s
 		podspec.WithFamilies(s, ips)
 		d, err := engine.Check(ctx, engine.Options{Backend: backend.Auto, NetnsPath: netns}, s)
 		switch {
+		case err != nil && gone(ctx, t, tb, name):
+			a.deleted = append(a.deleted, name)
 		case err != nil:
 			t.Fatalf("check %s: %v", name, err)
 		case d.Empty():
@@ -172,6 +190,16 @@ func auditPods(ctx context.Context, t *testing.T, tb *testbed.Testbed, names []s
 		}
 	}
 	return a
+}
+
+// gone reports whether the stream's pod name no longer exists.
+func gone(ctx context.Context, t *testing.T, tb *testbed.Testbed, name string) bool {
+	t.Helper()
+	_, err := tb.Client.CoreV1().Pods(streamNamespace).Get(ctx, name, metav1.GetOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		t.Fatal(err)
+	}
+	return apierrors.IsNotFound(err)
 }
 
 // deleteStream deletes the stream's pods and waits until they are gone (their CNI DEL
