@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
-	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
+	"github.com/meshcni/meshcni/pkg/netnsutil"
 )
 
 // defaultAgentRunDir is the chart's runDir: the agent's socket directory when
@@ -67,5 +67,5 @@ func askAgent(runDir string) ebpfAsker {
 
 // inspectEBPF fills the report's ebpf fields for the netns read through enter.
 func (r *inspectReport) inspectEBPF(ctx context.Context, enter, runDir string) {
-	r.EBPF, r.EBPFReason = ebpfState(ctx, enter, sockmap.NetnsCookie, askAgent(runDir))
+	r.EBPF, r.EBPFReason = ebpfState(ctx, enter, netnsutil.Cookie, askAgent(runDir))
 }

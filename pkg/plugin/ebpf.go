@@ -1,10 +1,6 @@
 package plugin
 
 import (
-	"fmt"
-
-	"golang.org/x/sys/unix"
-
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/podspec"
@@ -20,7 +16,7 @@ func (inv *invocation) ebpfReport(a podspec.Acceleration, s *spec.Spec) *agentso
 	if a == podspec.AccelOff || inv.sock == nil {
 		return nil
 	}
-	cookie, err := netnsCookie(inv.args.Netns)
+	cookie, err := netnsutil.Cookie(inv.args.Netns)
 	if err != nil {
 		inv.log.Debug("no eBPF acceleration for the pod", "err", err)
 		return nil
@@ -30,26 +26,4 @@ func (inv *invocation) ebpfReport(a podspec.Acceleration, s *spec.Spec) *agentso
 		uid = s.ProxyUIDs[0]
 	}
 	return &agentsock.PodEBPF{NetnsCookie: cookie, Mode: string(a), ProxyUID: uid, PodUID: inv.uid}
-}
-
-// netnsCookie is the cookie of the network namespace at path, read with
-// SO_NETNS_COOKIE from a socket opened inside it (Linux 5.14). A raw getsockopt:
-// the plugin links no eBPF library (deps_test.go).
-func netnsCookie(path string) (uint64, error) {
-	var cookie uint64
-	err := netnsutil.Do(path, func() error {
-		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			return fmt.Errorf("socket: %w", err)
-		}
-		defer unix.Close(fd)
-		if cookie, err = unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE); err != nil {
-			return fmt.Errorf("SO_NETNS_COOKIE (Linux 5.14): %w", err)
-		}
-		return nil
-	})
-	if err != nil {
-		return 0, fmt.Errorf("netns cookie of %s: %w", path, err)
-	}
-	return cookie, nil
 }

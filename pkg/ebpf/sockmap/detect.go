@@ -209,25 +209,6 @@ func cgroup2Mount() (string, error) {
 	return "", sc.Err()
 }
 
-// NetnsCookie returns the cookie of the network namespace at path (a
-// /run/netns bind mount, a runtime's netns file or /proc/PID/ns/net): the value
-// Enable takes, read with SO_NETNS_COOKIE from a socket opened inside it.
-func NetnsCookie(path string) (uint64, error) {
-	var cookie uint64
-	err := netnsutil.Do(path, func() error {
-		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			return fmt.Errorf("socket: %w", err)
-		}
-		defer unix.Close(fd)
-		cookie, err = unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
-		if err != nil {
-			return fmt.Errorf("SO_NETNS_COOKIE (Linux 5.14): %w", err)
-		}
-		return nil
-	})
-	if err != nil {
-		return 0, fmt.Errorf("netns cookie of %s: %w", path, err)
-	}
-	return cookie, nil
-}
+// NetnsCookie returns the cookie of the network namespace at path: the value
+// Enable takes (netnsutil.Cookie).
+func NetnsCookie(path string) (uint64, error) { return netnsutil.Cookie(path) }
