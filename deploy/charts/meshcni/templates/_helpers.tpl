@@ -110,3 +110,11 @@ scheduled on (e.g. a Windows node) is never tainted. "" when both are empty: eve
 {{- join "," $terms -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+"true" when the agent's audit runs (audit.period not 0), else "": the audit enters pods'
+network namespaces and, with escapedAction delete, deletes escaped pods.
+*/}}
+{{- define "meshcni.auditOn" -}}
+{{- if and .Values.audit (not (has (toString (.Values.audit.period | default "60s")) (list "0" "0s"))) }}true{{ end -}}
+{{- end }}
