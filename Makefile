@@ -30,14 +30,32 @@ test: lint unit e2e bench-smoke fuzz-smoke
 unit:
 	$(GO) test -short -race -count=1 -timeout 10m ./...
 
-# End-to-end and root tests: real network namespaces, rules, the test bed. -p 1: several
-# packages start the one-per-machine test bed. Runs the unit tests again (without -race).
+# The packages whose tests use the one-per-machine test bed (their test binary links
+# internal/testbed), and the others, which need at most root and network namespaces.
+MODULE := github.com/meshcni/meshcni
+TESTBED_PKGS = $(MODULE)/internal/testbed $(shell $(GO) list -test -f '{{.ImportPath}}{{range .Deps}}{{if eq . "$(MODULE)/internal/testbed"}} testbed{{end}}{{end}}' ./... | awk '$$1 ~ /\.test$$/ && $$2 == "testbed" {sub(/\.test$$/, "", $$1); print $$1}')
+OTHER_PKGS = $(filter-out $(TESTBED_PKGS),$(shell $(GO) list ./...))
+
+# streams runs `$(1) PACKAGES` for the test-bed packages and, at the same time, for the
+# others (their output follows, in one block); it fails when either fails.
+define streams
+	@other=$$(mktemp); \
+	$(1) $(OTHER_PKGS) >"$$other" 2>&1 & pid=$$!; \
+	$(1) $(TESTBED_PKGS); rc=$$?; \
+	wait $$pid; rc2=$$?; \
+	echo "--- packages without the test bed:"; cat "$$other"; rm -f "$$other"; \
+	test $$rc -eq 0 && test $$rc2 -eq 0
+endef
+
+# End-to-end and root tests: real network namespaces, rules, the test bed. -p 1 within a
+# stream: the test-bed packages share the one test bed, one after another, while the
+# others run beside them. Runs the unit tests again (without -race).
 e2e:
-	$(GO) test -count=1 -p 1 -timeout 40m ./...
+	$(call streams,$(GO) test -count=1 -p 1 -timeout 40m)
 
 # Every benchmark once, so benchmark code cannot rot. Root benchmarks run as root.
 bench-smoke:
-	$(GO) test -count=1 -p 1 -run '^$$' -bench . -benchtime 1x -timeout 20m ./...
+	$(call streams,$(GO) test -count=1 -p 1 -run '^$$' -bench . -benchtime 1x -timeout 20m)
 
 # Benchmarks for figures (docs/performance.md).
 bench:
