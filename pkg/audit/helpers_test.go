@@ -9,6 +9,7 @@ import (
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -67,10 +68,19 @@ func (n *netnsByName) FindPod(_ context.Context, pod *corev1.Pod) (*podnetns.Han
 		return nil, fmt.Errorf("pod %s: %w", pod.Name, podnetns.ErrNotFound)
 	}
 	h, err := podnetns.Open(path)
-	if errors.Is(err, os.ErrNotExist) {
+	if errors.Is(err, os.ErrNotExist) || (err != nil && !isNetnsMount(path)) {
+		// Gone, or half gone: testutil.DeleteNetns unmounts before it removes the
+		// file, and a round may open the path in between. The real Finder scans
+		// mounted namespaces only, so it never sees that state.
 		return nil, fmt.Errorf("pod %s: %w", pod.Name, podnetns.ErrNotFound)
 	}
 	return h, err
+}
+
+// isNetnsMount says whether path still has a network namespace mounted on it.
+func isNetnsMount(path string) bool {
+	var st unix.Statfs_t
+	return unix.Statfs(path, &st) == nil && st.Type == unix.NSFS_MAGIC
 }
 
 func (n *netnsByName) found() int {
