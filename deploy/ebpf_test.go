@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -105,7 +106,7 @@ func TestHelmEBPF(t *testing.T) {
 	}
 	checkEBPFAgent(t)
 	if v := metricValue(t, agentMetrics(t), "meshcni_ebpf_available"); v != 1 {
-		t.Fatalf("meshcni_ebpf_available %v, want 1\n%s", v, diagnose(ctx, tb))
+		t.Fatalf("meshcni_ebpf_available %v, want 1; the agent's /readyz: %s", v, agentReadyz(t))
 	}
 	for _, n := range []string{"allow", "socks", "targets", "peer", "stats", "sockops", "skmsg", "sockops_link"} {
 		if _, err := os.Stat(filepath.Join(ebpfPins, n)); err != nil {
@@ -214,6 +215,19 @@ func agentCapEff(t *testing.T) uint64 {
 		t.Fatalf("%d meshcni-agent processes on the node, want 1", len(effs))
 	}
 	return effs[0]
+}
+
+// agentReadyz is the body of the agent's /readyz on the node's IP (its eBPF line
+// says why acceleration is unavailable).
+func agentReadyz(t *testing.T) string {
+	t.Helper()
+	resp, err := http.Get("http://" + testbed.NodeIP + ":9807/readyz")
+	if err != nil {
+		return err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.Status + " " + string(b)
 }
 
 // metricValue is the value of an unlabelled sample in a Prometheus text exposition.
