@@ -34,10 +34,33 @@ import (
 func BenchmarkHop(b *testing.B) {
 	a, _ := load(b)
 	p := newPod(b)
-	ck := cookie(b, p.NetNS)
 	sink := listenIn(b, p.PeerNetNS, "[::]:8082")
 	go serveSink(sink)
-	set := func(mode int) {
+	benchHops(b, hops{
+		set:  setter(b, a, cookie(b, p.NetNS)),
+		pids: []int{os.Getpid(), p.proxy.Cmd.Process.Pid},
+		app:  p.NetNS, peer: p.PeerNetNS,
+		out: peer4, in: pod4, sink: withPort(peer4, 8082),
+	})
+	s, err := a.Stats()
+	if err == nil {
+		b.Logf("stats: %+v", s)
+	}
+}
+
+// hops is where benchHops measures: the app's and the peer's network namespaces,
+// the peer's echo (out) and sink, reached from the app through its proxy, and the
+// app's echo (in), reached from the peer through the proxy.
+type hops struct {
+	set           func(mode int) // puts the app's netns in a mode
+	pids          []int          // processes pinned to CPU 0 in the pinned runs
+	app, peer     string
+	out, in, sink netip.AddrPort
+}
+
+// setter returns the function that puts the netns with this cookie in a mode.
+func setter(b *testing.B, a *sockmap.Accel, ck uint64) func(mode int) {
+	return func(mode int) {
 		var err error
 		switch mode {
 		case off:
@@ -51,24 +74,28 @@ func BenchmarkHop(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	pids := []int{os.Getpid(), p.proxy.Cmd.Process.Pid}
+}
+
+// benchHops runs the sub-benchmarks rr, rr-in, bulk and connect, pinned and
+// unpinned, each interleaving the modes.
+func benchHops(b *testing.B, h hops) {
 	for _, cpu := range []string{"pinned", "unpinned"} {
 		pin := func(b *testing.B) {
-			if err := setAffinity(pids, cpu == "pinned"); err != nil {
+			if err := setAffinity(h.pids, cpu == "pinned"); err != nil {
 				b.Fatalf("affinity: %v", err)
 			}
-			b.Cleanup(func() { _ = setAffinity(pids, false) })
+			b.Cleanup(func() { _ = setAffinity(h.pids, false) })
 		}
 		for _, dir := range []struct {
 			name, from string
 			dst        netip.AddrPort
 		}{
-			{"rr", p.NetNS, peer4}, {"rr-in", p.PeerNetNS, pod4},
+			{"rr", h.app, h.out}, {"rr-in", h.peer, h.in},
 		} {
 			b.Run(dir.name+"/"+cpu, func(b *testing.B) {
 				pin(b)
 				var lat [modes][]time.Duration
-				interleave(b, set, func(m int) { lat[m] = append(lat[m], rrUnit(b, dir.from, dir.dst, 100)...) })
+				interleave(b, h.set, func(m int) { lat[m] = append(lat[m], rrUnit(b, dir.from, dir.dst, 100)...) })
 				reportLatency(b, lat)
 			})
 		}
@@ -76,20 +103,16 @@ func BenchmarkHop(b *testing.B) {
 			pin(b)
 			var dur [modes]time.Duration
 			const size = 4 << 20
-			interleave(b, set, func(m int) { dur[m] += bulkUnit(b, p, size) })
+			interleave(b, h.set, func(m int) { dur[m] += bulkUnit(b, h.app, h.sink, size) })
 			report(b, dur, float64(size*b.N)/1e6, "MB/s")
 		})
 		b.Run("connect/"+cpu, func(b *testing.B) {
 			pin(b)
 			var dur [modes]time.Duration
 			const conns = 20
-			interleave(b, set, func(m int) { dur[m] += connectUnit(b, p, conns) })
+			interleave(b, h.set, func(m int) { dur[m] += connectUnit(b, h.app, h.out, conns) })
 			report(b, dur, float64(conns*b.N), "conn/s")
 		})
-	}
-	s, err := a.Stats()
-	if err == nil {
-		b.Logf("stats: %+v", s)
 	}
 }
 
@@ -158,10 +181,10 @@ func rrUnit(b *testing.B, from string, dst netip.AddrPort, n int) []time.Duratio
 	return lat
 }
 
-// bulkUnit uploads size bytes to the peer's sink and waits until it has read
+// bulkUnit uploads size bytes from ns to the sink and waits until it has read
 // them all (its EOF comes back after the app's).
-func bulkUnit(b *testing.B, p *pod, size int) time.Duration {
-	c := dial(b, p.NetNS, withPort(peer4, 8082))
+func bulkUnit(b *testing.B, ns string, sink netip.AddrPort, size int) time.Duration {
+	c := dial(b, ns, sink)
 	defer c.Close()
 	buf := make([]byte, 64<<10)
 	start := time.Now()
@@ -177,11 +200,11 @@ func bulkUnit(b *testing.B, p *pod, size int) time.Duration {
 	return time.Since(start)
 }
 
-func connectUnit(b *testing.B, p *pod, n int) time.Duration {
+func connectUnit(b *testing.B, ns string, dst netip.AddrPort, n int) time.Duration {
 	one := make([]byte, 1)
 	start := time.Now()
 	for range n {
-		c := dial(b, p.NetNS, peer4)
+		c := dial(b, ns, dst)
 		if _, err := c.Write(one); err != nil {
 			b.Fatal(err)
 		}

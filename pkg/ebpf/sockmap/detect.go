@@ -167,16 +167,19 @@ func ensureBPFFS(pinDir string) error {
 	return nil
 }
 
-// cgroup2Dir returns opts.Cgroup2, else the root of the host's cgroup2 mount,
-// else mounts one at DefaultCgroup2 (next to cgroup v1 hierarchies this is the
-// unified hierarchy every socket also belongs to).
+// cgroup2Dir returns opts.Cgroup2 — or its "unified" subdirectory, where a cgroup
+// v1 hybrid host (systemd's layout) mounts its cgroup2 under /sys/fs/cgroup — else
+// the root of the host's cgroup2 mount, else mounts one at DefaultCgroup2 (next to
+// cgroup v1 hierarchies this is the unified hierarchy every socket also belongs to).
 func cgroup2Dir(opts Options) (string, error) {
 	if opts.Cgroup2 != "" {
-		var st unix.Statfs_t
-		if err := unix.Statfs(opts.Cgroup2, &st); err != nil || st.Type != unix.CGROUP2_SUPER_MAGIC {
-			return "", fmt.Errorf("%s is not a cgroup2 directory", opts.Cgroup2)
+		for _, d := range []string{opts.Cgroup2, filepath.Join(opts.Cgroup2, "unified")} {
+			var st unix.Statfs_t
+			if err := unix.Statfs(d, &st); err == nil && st.Type == unix.CGROUP2_SUPER_MAGIC {
+				return d, nil
+			}
 		}
-		return opts.Cgroup2, nil
+		return "", fmt.Errorf("%s is not a cgroup2 directory, nor is its unified/", opts.Cgroup2)
 	}
 	if p, err := cgroup2Mount(); err != nil || p != "" {
 		return p, err

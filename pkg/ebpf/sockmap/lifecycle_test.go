@@ -236,6 +236,9 @@ func TestUnload(t *testing.T) {
 	if _, err := os.Stat(opts.PinDir); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("pin directory after Unload: %v", err)
 	}
+	if _, err := os.Stat(filepath.Dir(opts.PinDir)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the pin directory's parent %s (empty, made by Load) after Unload: %v", filepath.Dir(opts.PinDir), err)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	for _, id := range ids {

@@ -5,9 +5,11 @@ import (
 	"encoding/binary"
 	"errors"
 	"os"
+	"path/filepath"
 	"testing"
 
 	"github.com/cilium/ebpf/btf"
+	"golang.org/x/sys/unix"
 
 	"github.com/meshcni/meshcni/internal/testutil"
 )
@@ -84,7 +86,33 @@ func TestForced(t *testing.T) {
 func TestCgroup2Setting(t *testing.T) {
 	dir := t.TempDir()
 	_, err := cgroup2Dir(Options{Cgroup2: dir})
-	if err == nil || err.Error() != dir+" is not a cgroup2 directory" {
+	if err == nil || err.Error() != dir+" is not a cgroup2 directory, nor is its unified/" {
 		t.Errorf("got %v", err)
+	}
+}
+
+// TestCgroup2Hybrid: a Cgroup2 setting naming a cgroup v1 hybrid host's
+// /sys/fs/cgroup (a tmpfs with cgroup2 at unified/, as the chart mounts the node's
+// /sys/fs/cgroup by default) resolves to its unified/ directory; a cgroup2
+// directory itself is taken as it is.
+func TestCgroup2Hybrid(t *testing.T) {
+	testutil.RequireRoot(t)
+	root := t.TempDir()
+	if err := unix.Mount("tmpfs", root, "tmpfs", 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = unix.Unmount(root, unix.MNT_DETACH) }()
+	unified := filepath.Join(root, "unified")
+	if err := os.Mkdir(unified, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("cgroup2", unified, "cgroup2", 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = unix.Unmount(unified, unix.MNT_DETACH) }()
+	for _, setting := range []string{root, unified} {
+		if got, err := cgroup2Dir(Options{Cgroup2: setting}); err != nil || got != unified {
+			t.Errorf("cgroup2Dir(%s) = %q, %v; want %s", setting, got, err, unified)
+		}
 	}
 }

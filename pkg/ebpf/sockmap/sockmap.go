@@ -329,6 +329,10 @@ func Unload(opts Options) error {
 	if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
 		errs = append(errs, fmt.Errorf("remove pin directory: %w", err))
 	}
+	// Load made the parent too (the default's /sys/fs/bpf/meshcni): gone when empty.
+	if parent := filepath.Dir(dir); parent != DefaultBPFFS && parent != filepath.Dir(parent) {
+		_ = os.Remove(parent)
+	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("unload eBPF acceleration: %w", err)
 	}
