@@ -23,8 +23,9 @@ import (
 const SandboxDirName = "sandboxes"
 
 // Sandbox state collection: entries of sandboxes whose pod left the node are
-// removed once the pod cache synced and every SandboxGCPeriod after; an entry
-// younger than SandboxGCGrace stays (its pod may not be in the cache yet).
+// removed once the pod cache synced and every SandboxGCPeriod after. An entry
+// this agent wrote less than SandboxGCGrace ago stays (its pod may not be in the
+// cache yet); one an earlier agent wrote is judged by the synced cache at once.
 const (
 	SandboxGCPeriod = 10 * time.Minute
 	SandboxGCGrace  = 2 * time.Minute
@@ -46,8 +47,9 @@ type Sandboxes struct {
 	Mesh podspec.Config
 	Log  *slog.Logger
 
-	mu    sync.Mutex
-	store *sandboxstate.Store // nil until Open, or when it failed
+	mu     sync.Mutex
+	store  *sandboxstate.Store // nil until Open, or when it failed
+	opened time.Time           // entries updated before were written by an earlier agent
 }
 
 // Open loads the store; a failure is logged and the agent runs without it.
@@ -62,7 +64,7 @@ func (s *Sandboxes) Open() *sandboxstate.Store {
 	}
 	s.Log.Info("per-sandbox state loaded", "dir", s.Dir, "sandboxes", st.Len(), "skipped", len(st.Skipped()))
 	s.mu.Lock()
-	s.store = st
+	s.store, s.opened = st, time.Now()
 	s.mu.Unlock()
 	return st
 }
@@ -215,8 +217,8 @@ func (s *Sandboxes) GC(now time.Time) []sandboxstate.Entry {
 		return nil
 	}
 	gone, err := st.GC(func(e sandboxstate.Entry) bool {
-		if now.Sub(e.Updated) < SandboxGCGrace {
-			return true
+		if e.Updated.After(s.opened) && now.Sub(e.Updated) < SandboxGCGrace {
+			return true // written by this agent: its pod may not be cached yet
 		}
 		pod, ok := s.Pods.Get(e.Namespace, e.Name)
 		return ok && (e.UID == "" || string(pod.UID) == e.UID)

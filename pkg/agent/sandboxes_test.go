@@ -109,15 +109,15 @@ func TestSandboxesAcrossRestart(t *testing.T) {
 	}
 }
 
-// TestSandboxesGC: a pod deleted while no agent ran is collected once the cache
-// synced and its cookie disabled; a pod still on the node, and a newer entry
-// whose pod the cache may not hold yet, stay; a pod of another UID (recreated
-// under the same name) is collected.
+// TestSandboxesGC: a pod deleted while no agent ran is collected as soon as the
+// cache synced, and its cookie disabled; so is a pod recreated under the same
+// name (another UID); a pod still on the node stays; an entry this agent wrote
+// for a pod the cache does not hold (yet) stays for the grace, then goes.
 func TestSandboxesGC(t *testing.T) {
 	dir := t.TempDir()
 	f := &fakeAccel{allow: map[uint64]sockmap.Pod{}}
 	pods := &mapPods{synced: true, pods: map[string]*corev1.Pod{}}
-	for _, n := range []string{"gone", "kept", "recreated"} {
+	for _, n := range []string{"gone", "kept", "recreated", "new"} {
 		pods.pods["app/"+n] = statePod(n, nil)
 	}
 	first := startLife(t, dir, f, pods)
@@ -127,24 +127,26 @@ func TestSandboxesGC(t *testing.T) {
 	delete(pods.pods, "app/gone")
 	pods.pods["app/recreated"].UID = "uid-newer"
 	pods.synced = false
+	time.Sleep(10 * time.Millisecond) // the next agent opens the store strictly later
 	second := startLife(t, dir, f, pods)
-	later := time.Now().Add(SandboxGCGrace + time.Second)
-	if gone := second.s.GC(later); len(gone) != 0 {
+	second.cmd(add("sb-new", "app", "new", "to-proxy", 4))
+	delete(pods.pods, "app/new") // not in the cache yet
+	if gone := second.s.GC(time.Now()); len(gone) != 0 {
 		t.Fatalf("collected %v before the cache synced", gone)
 	}
 	pods.synced = true
-	if gone := second.s.GC(time.Now()); len(gone) != 0 {
-		t.Fatalf("collected %v within the grace", gone)
-	}
-	gone := second.s.GC(later)
+	gone := second.s.GC(time.Now())
 	for _, e := range gone {
 		second.e.SandboxGone(e.ID)
 	}
 	if len(gone) != 2 || gone[0].ID != "sb-gone" || gone[1].ID != "sb-recreated" {
 		t.Fatalf("collected %+v, want sb-gone and sb-recreated", gone)
 	}
-	if _, ok := f.allow[2]; !ok || len(f.allow) != 1 {
-		t.Errorf("allow-list %v, want only cookie 2 (app/kept)", f.allow)
+	if len(f.allow) != 2 || f.allow[2] == (sockmap.Pod{}) || f.allow[4] == (sockmap.Pod{}) {
+		t.Errorf("allow-list %v, want cookies 2 (app/kept) and 4 (app/new)", f.allow)
+	}
+	if gone := second.s.GC(time.Now().Add(SandboxGCGrace + time.Second)); len(gone) != 1 || gone[0].ID != "sb-new" {
+		t.Errorf("after the grace: collected %+v, want sb-new", gone)
 	}
 }
 
