@@ -19,6 +19,7 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/buildinfo"
+	"github.com/meshcni/meshcni/pkg/buildinfo/buildmetrics"
 	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
 	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/nodepods"
@@ -76,7 +77,7 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 	}
 	m := NewMetrics()
 	build := buildinfo.New(opts.Version)
-	m.Registry.MustRegister(build.Collector())
+	m.Registry.MustRegister(buildmetrics.Collector(build))
 	a := &Agent{Config: cfg, Log: log, Metrics: m, kube: opts.Kube}
 	src, err := a.pluginCredential(opts)
 	if err != nil {
