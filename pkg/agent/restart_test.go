@@ -148,12 +148,12 @@ func TestAuditAnnotationsAcrossRestartOnTestbed(t *testing.T) {
 		"--audit-period", period.String(), "--repair-netns-dirs", testbed.NetnsDir}}
 	first := agenttest.Start(t, opts)
 	const name = "restart-annotations"
-	pod, err := tb.CreatePod(ctx, meshedPod(name))
-	if err != nil {
+	if _, err := tb.CreatePod(ctx, meshedPod(name)); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = tb.DeletePod(context.Background(), e2eNS, name) })
-	if pod, err = tb.WaitPodRunning(ctx, e2eNS, name); err != nil {
+	pod, err := tb.WaitPodRunning(ctx, e2eNS, name)
+	if err != nil {
 		t.Fatal(err)
 	}
 	netns, err := tb.PodNetns(ctx, e2eNS, name)
