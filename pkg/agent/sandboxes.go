@@ -128,10 +128,7 @@ func (s *Sandboxes) added(st *sandboxstate.Store, r *agentsock.CommandResult) {
 func newest(st *sandboxstate.Store, pod *corev1.Pod) (sandboxstate.Entry, bool) {
 	var best sandboxstate.Entry
 	found := false
-	for _, e := range st.List() {
-		if e.UID != string(pod.UID) || e.Spec == nil {
-			continue
-		}
+	for _, e := range st.Select(func(e *sandboxstate.Entry) bool { return e.UID == string(pod.UID) && e.Spec != nil }) {
 		if !found || e.Updated.After(best.Updated) {
 			best, found = e, true
 		}
@@ -167,8 +164,8 @@ func (s *Sandboxes) Remember(pod *corev1.Pod, sp *spec.Spec) {
 	}
 	var id string
 	var at time.Time
-	for _, e := range st.List() {
-		if e.UID == string(pod.UID) && (id == "" || e.Updated.After(at)) {
+	for _, e := range st.Select(func(e *sandboxstate.Entry) bool { return e.UID == string(pod.UID) }) {
+		if id == "" || e.Updated.After(at) {
 			id, at = e.ID, e.Updated
 		}
 	}

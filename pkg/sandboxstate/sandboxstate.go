@@ -236,6 +236,21 @@ func (s *Store) List() []Entry {
 	return out
 }
 
+// Select returns copies of the entries match accepts, by ID; match sees each
+// entry without copying it and must not keep or change it.
+func (s *Store) Select(match func(*Entry) bool) []Entry {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []Entry
+	for _, e := range s.entries {
+		if match(&e) {
+			out = append(out, e.clone())
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
 // Len is the number of entries.
 func (s *Store) Len() int {
 	s.mu.Lock()

@@ -195,7 +195,8 @@ func TestBound(t *testing.T) {
 	}
 }
 
-// TestGC: GC removes (files included) the entries keep rejects and returns them.
+// TestGC: Select finds entries; GC removes (files included) the entries keep
+// rejects and returns them.
 func TestGC(t *testing.T) {
 	dir := t.TempDir()
 	s := open(t, dir, sandboxstate.Options{})
@@ -203,6 +204,13 @@ func TestGC(t *testing.T) {
 		if err := s.Update(fmt.Sprintf("s%d", i), func(e *sandboxstate.Entry) { e.UID, e.NetnsCookie = uid, uint64(i+1) }); err != nil {
 			t.Fatal(err)
 		}
+	}
+	var live []string
+	for _, e := range s.Select(func(e *sandboxstate.Entry) bool { return e.UID == "live" }) {
+		live = append(live, e.ID)
+	}
+	if strings.Join(live, ",") != "s0,s2" {
+		t.Errorf("Select by UID: %v, want s0,s2", live)
 	}
 	gone, err := s.GC(func(e sandboxstate.Entry) bool { return e.UID == "live" })
 	if err != nil {
