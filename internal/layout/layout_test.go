@@ -122,6 +122,34 @@ func TestNoImportOfCommands(t *testing.T) {
 	}
 }
 
+// linkRules are prefixes a command must not link, each with why (the plugin's own,
+// stricter rule is pkg/plugin's TestPluginLinksNoKubernetes).
+var linkRules = []struct {
+	cmd       string
+	forbidden []string
+	why       string
+}{
+	{"./cmd/meshcnictl", []string{"github.com/prometheus/"}, "meshcnictl serves no metrics: the meshcni_build_info gauge lives in pkg/buildinfo/buildmetrics, buildinfo.Info does not need the Prometheus client"},
+}
+
+// TestCommandLinkRules: each command links none of its forbidden packages, even
+// indirectly.
+func TestCommandLinkRules(t *testing.T) {
+	for _, r := range linkRules {
+		p := list(t, r.cmd)[0]
+		if len(p.Deps) < 20 {
+			t.Fatalf("go list %s: %d dependencies, not the command's graph", r.cmd, len(p.Deps))
+		}
+		for _, d := range p.Deps {
+			for _, f := range r.forbidden {
+				if matches(d, f) {
+					t.Errorf("%s links %s (forbidden %q): %s; `go list -deps %s` shows the path", r.cmd, d, f, r.why, r.cmd)
+				}
+			}
+		}
+	}
+}
+
 // TestMatches pins the prefix rule the checks above rely on.
 func TestMatches(t *testing.T) {
 	for _, tc := range []struct {

@@ -19,6 +19,7 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/buildinfo"
+	"github.com/meshcni/meshcni/pkg/buildinfo/buildmetrics"
 	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
 	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/nodepods"
@@ -49,6 +50,8 @@ type Agent struct {
 	PluginToken *PluginToken
 	// EBPF is the eBPF acceleration of meshed pods (off or unavailable: inert).
 	EBPF *EBPF
+	// Sandboxes is the per-sandbox state that outlives the agent's restarts.
+	Sandboxes *Sandboxes
 
 	kube      *Kube // nil: no API access
 	runnables []Runnable
@@ -74,7 +77,7 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 	}
 	m := NewMetrics()
 	build := buildinfo.New(opts.Version)
-	m.Registry.MustRegister(build.Collector())
+	m.Registry.MustRegister(buildmetrics.Collector(build))
 	a := &Agent{Config: cfg, Log: log, Metrics: m, kube: opts.Kube}
 	src, err := a.pluginCredential(opts)
 	if err != nil {
@@ -106,6 +109,10 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 	a.EBPF = newEBPF(cfg, log.With("component", "ebpf"))
 	m.Registry.MustRegister(a.EBPF)
 	a.Socket.EBPF = a.EBPF
+	mesh := podspec.Config{ExcludeNamespaces: cfg.ExcludeNamespaces, AgentNamespace: cfg.PodNamespace, IPv6: cfg.IPv6}
+	a.Sandboxes = &Sandboxes{Dir: sandboxDir(cfg.RunDir), Mesh: mesh, Log: log.With("component", "sandbox-state")}
+	a.EBPF.state = a.Sandboxes
+	a.Socket.Sandboxes = a.Sandboxes
 	a.Health.Detail = a.EBPF.Detail
 	if a.PluginToken != nil {
 		a.PluginToken.Changed = a.Guard.KubeconfigChanged
@@ -122,7 +129,11 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 		if err := a.EBPF.watchDeletions(pods.Informer()); err != nil {
 			return nil, err
 		}
-		a.runnables = append(a.runnables, pods)
+		a.Sandboxes.Pods = pods
+		if err := a.Sandboxes.watch(pods.Informer()); err != nil {
+			return nil, err
+		}
+		a.runnables = append(a.runnables, pods, &sandboxGC{s: a.Sandboxes, ebpf: a.EBPF, sync: pods.WaitForSync, every: SandboxGCPeriod})
 		if err := a.addMarker(opts.Kube, pods); err != nil {
 			return nil, err
 		}
@@ -156,6 +167,9 @@ func (a *Agent) Add(r Runnable) { a.runnables = append(a.runnables, r) }
 func (a *Agent) Run(ctx context.Context) error {
 	if err := os.MkdirAll(a.Config.RunDir, 0o755); err != nil {
 		return fmt.Errorf("run directory: %w", err)
+	}
+	if st := a.Sandboxes.Open(); st != nil {
+		a.EBPF.restore(st.List())
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()

@@ -81,6 +81,7 @@ func (a *Agent) AddAudit(k *Kube) error {
 		EscapedAction:     cfg.AuditEscapedAction,
 		FollowAnnotations: cfg.AuditFollowAnnotations,
 		InitContainer:     cfg.RepairInitContainer,
+		Applied:           a.Sandboxes,
 		Pods:              a.Pods,
 		Netns:             &podnetns.Finder{NetnsDirs: cfg.RepairNetnsDirs},
 		Client:            k.Client,

@@ -91,6 +91,8 @@ type EBPF struct {
 
 	mu   sync.Mutex
 	pods map[string]ebpfPod // by sandbox (container) ID
+	// state keeps the cookies across the agent's restarts (nil: in memory only).
+	state *Sandboxes
 }
 
 // newEBPF loads the acceleration as cfg says; a node that cannot run it is not an
@@ -188,9 +190,11 @@ func (e *EBPF) enable(r *agentsock.CommandResult) {
 		log.Error("eBPF acceleration not enabled: the pod runs without it", "err", err)
 		return
 	}
+	p := ebpfPod{namespace: r.Pod.Namespace, name: r.Pod.Name, uid: r.EBPF.PodUID, cookie: r.EBPF.NetnsCookie}
 	e.mu.Lock()
-	e.pods[r.ContainerID] = ebpfPod{namespace: r.Pod.Namespace, name: r.Pod.Name, uid: r.EBPF.PodUID, cookie: r.EBPF.NetnsCookie}
+	e.pods[r.ContainerID] = p
 	e.mu.Unlock()
+	e.state.enabled(r.ContainerID, p, mode)
 	log.Info("eBPF acceleration enabled", "mode", mode)
 }
 

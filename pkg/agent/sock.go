@@ -26,6 +26,8 @@ type SocketServer struct {
 	// it must not block.
 	OnResult func(*agentsock.CommandResult)
 	EBPF     *EBPF // enables the eBPF acceleration of the pods the plugin reports (nil: none)
+	// Sandboxes records what each sandbox's ADD taught the agent (nil: nothing).
+	Sandboxes *Sandboxes
 }
 
 // Name implements Runnable.
@@ -50,6 +52,9 @@ func (s *SocketServer) Run(ctx context.Context) error {
 				s.OnResult(r)
 			}
 			s.EBPF.OnCommand(r)
+			if s.Sandboxes != nil {
+				s.Sandboxes.OnCommand(r) // after EBPF, which reads the sandbox's cookie
+			}
 			args := []any{"command", r.Command, "result", r.Result, "duration_seconds", r.Seconds,
 				"pod_namespace", r.Pod.Namespace, "pod_name", r.Pod.Name}
 			if r.ErrorMsg != "" {

@@ -71,6 +71,16 @@ type (
 	LiveFunc  func(ctx context.Context, o engine.Options) (map[backend.Kind]string, error)
 )
 
+// AppliedSpecs is what the agent remembers of the spec each pod was redirected
+// with, beyond one auditor's life.
+type AppliedSpecs interface {
+	// Applied returns the spec pod was redirected with (false: unknown). The
+	// auditor keeps what it gets.
+	Applied(pod *corev1.Pod) (*spec.Spec, bool)
+	// Remember records the spec the audit found pod redirected with, or applied.
+	Remember(pod *corev1.Pod, s *spec.Spec)
+}
+
 // Metrics are the audit's counters.
 type Metrics struct {
 	Detected *prometheus.CounterVec // meshcni_drift_detected_total{reason}
@@ -132,6 +142,12 @@ type Options struct {
 	FollowAnnotations bool
 	// InitContainer is the validation init container's name (istio-validation).
 	InitContainer string
+	// Applied, when set, remembers across the agent's restarts the spec each pod
+	// was redirected with (the agent's sandbox state, recorded at the sandbox's
+	// ADD): a pod this auditor has not seen yet is checked against it, and a
+	// change of its annotations since is reported, instead of the annotations
+	// being taken as the spec it was redirected with.
+	Applied AppliedSpecs
 
 	Pods   Pods
 	Netns  Netns

@@ -11,9 +11,10 @@
 //     the chain.
 //
 // Pods the plugin deliberately skips (podspec.Decide) are never touched. The spec a
-// pod was redirected with is remembered (first audit, or the last repair): a later
-// change of its annotations is reported, not applied (Istio re-reads none), unless
-// FollowAnnotations is set.
+// pod was redirected with is remembered (first audit, or the last repair; across
+// the agent's restarts through Options.Applied, which the agent fills at the
+// sandbox's ADD): a later change of its annotations is reported, not applied
+// (Istio re-reads none), unless FollowAnnotations is set.
 //
 // Cost is bounded: a round enters each pod's namespace once (the namespace is found
 // once, then reopened by the path it was found through), rounds are spread over the

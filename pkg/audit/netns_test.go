@@ -11,11 +11,13 @@ import (
 	"net/netip"
 	"regexp"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/client-go/tools/record"
 
@@ -27,6 +29,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
+	"github.com/meshcni/meshcni/pkg/spec"
 )
 
 var (
@@ -336,6 +339,82 @@ func TestAnnotationChange(t *testing.T) {
 			}
 			if count(m, true, audit.ReasonAnnotationsChanged) != 1 || count(m, false, audit.ReasonAnnotationsChanged) != 0 {
 				t.Error("metrics: want detected 1, repaired 0")
+			}
+		})
+	}
+}
+
+// applied is the agent's memory of the specs pods were redirected with (its
+// sandbox state), which outlives one auditor.
+type applied struct {
+	mu    sync.Mutex
+	specs map[types.UID]*spec.Spec
+}
+
+func (m *applied) Applied(pod *corev1.Pod) (*spec.Spec, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	s, ok := m.specs[pod.UID]
+	if !ok {
+		return nil, false
+	}
+	c := *s // the auditor keeps what it gets
+	return &c, true
+}
+
+func (m *applied) Remember(pod *corev1.Pod, s *spec.Spec) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.specs[pod.UID] = s
+}
+
+// TestAnnotationChangeAcrossRestart: the annotations change while the agent is
+// down; the next auditor (a new agent) reports the change against the spec the
+// pod was redirected with, which the agent remembered, and keeps the redirect
+// (8080 still captured). Without that memory the new auditor takes the new
+// annotations for the pod's spec and rewrites the redirect: the weakness the
+// memory removes.
+func TestAnnotationChangeAcrossRestart(t *testing.T) {
+	itestutil.RequireRoot(t)
+	ctx := context.Background()
+	for _, remembered := range []bool{true, false} {
+		t.Run(map[bool]string{true: "remembered", false: "forgotten"}[remembered], func(t *testing.T) {
+			s := newScratch(t, backend.Nftables, "web", nil)
+			p := &pods{list: []*corev1.Pod{s.pod}}
+			n := &netnsByName{paths: map[string]string{"web": s.net.NetNS}}
+			mem := &applied{specs: map[types.UID]*spec.Spec{}}
+			withMemory := func(o *audit.Options) {
+				if remembered {
+					o.Applied = mem
+				}
+			}
+			before, _, _ := newAuditor(t, p, n, withMemory)
+			if st := before.Round(ctx); st[audit.Clean] != 1 {
+				t.Fatalf("first agent's round %v", st)
+			}
+			if remembered && len(mem.specs) != 1 {
+				t.Fatalf("the first audit remembered %d specs, want the pod's", len(mem.specs))
+			}
+			changed := s.pod.DeepCopy() // while no agent runs
+			changed.Annotations[podspec.AnnotationExcludeOutboundPorts] = "8080"
+			p.set(changed)
+			after, rec, m := newAuditor(t, p, n, withMemory)
+			st := after.Round(ctx)
+			evs := events(rec)
+			if !remembered {
+				if st[audit.Repaired] != 1 || s.outboundCaptured(t) {
+					t.Errorf("round %v: without memory the new annotations are taken as the pod's spec and applied", st)
+				}
+				return
+			}
+			if st[audit.Reported] != 1 || !s.outboundCaptured(t) {
+				t.Errorf("round %v: want the change reported and the redirect kept (8080 captured)", st)
+			}
+			if len(evs) != 1 || !hasEvent(evs, audit.EventAnnotationsChanged) {
+				t.Errorf("events %q: want one %s", evs, audit.EventAnnotationsChanged)
+			}
+			if count(m, true, audit.ReasonAnnotationsChanged) != 1 || count(m, false, audit.ReasonAnnotationsChanged) != 0 {
+				t.Error("metrics: want detected{annotations-changed} 1, repaired 0")
 			}
 		})
 	}

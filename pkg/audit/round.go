@@ -201,6 +201,7 @@ func (a *Auditor) Pod(ctx context.Context, pod *corev1.Pod) Result {
 	if err != nil {
 		return a.fail(log, st, "spec", err)
 	}
+	a.recall(pod, st)
 	target, changed := a.target(pod, st, want, log)
 	h, err := a.netns(ctx, pod, st)
 	if errors.Is(err, podnetns.ErrNotFound) {
@@ -227,7 +228,7 @@ func (a *Auditor) Pod(ctx context.Context, pod *corev1.Pod) Result {
 	if rep.Empty() {
 		st.reported, st.kind = "", rep.Backend
 		if st.hash == "" {
-			st.spec, st.hash = target, Hash(target)
+			a.redirectedWith(pod, st, target)
 		}
 		if changed {
 			return Reported
@@ -248,6 +249,26 @@ func (a *Auditor) spec(pod *corev1.Pod) (*spec.Spec, error) {
 		return nil, fmt.Errorf("redirect spec: %w", err)
 	}
 	return res.Spec, nil
+}
+
+// recall takes the spec a pod this auditor has not seen yet was redirected with
+// from Applied (the agent's memory of the sandbox's ADD).
+func (a *Auditor) recall(pod *corev1.Pod, st *podState) {
+	if st.hash != "" || a.o.Applied == nil {
+		return
+	}
+	if s, ok := a.o.Applied.Applied(pod); ok && s != nil {
+		st.spec, st.hash = s, Hash(s)
+	}
+}
+
+// redirectedWith records s as the spec the pod is redirected with, here and in
+// Applied.
+func (a *Auditor) redirectedWith(pod *corev1.Pod, st *podState, s *spec.Spec) {
+	st.spec, st.hash = s, Hash(s)
+	if a.o.Applied != nil {
+		a.o.Applied.Remember(pod, s)
+	}
 }
 
 // target is the spec to check the pod against: the one it was redirected with,
@@ -311,7 +332,8 @@ func (a *Auditor) follow(ctx context.Context, pod *corev1.Pod, st *podState, o e
 	if err != nil {
 		return a.actionFailed(pod, st, log, fmt.Errorf("apply the changed annotations' redirect in %s: %w", where, err))
 	}
-	st.spec, st.hash, st.changed = want, Hash(want), ""
+	a.redirectedWith(pod, st, want)
+	st.changed = ""
 	a.o.Metrics.Repaired.WithLabelValues(string(reason)).Inc()
 	msg := fmt.Sprintf("meshcni applied the pod's changed traffic annotations in place (backend %s, netns %s): %s", kind, where, rep.Describe())
 	a.o.Events.Event(pod, corev1.EventTypeWarning, EventDrift, msg)
@@ -350,7 +372,7 @@ func (a *Auditor) drift(ctx context.Context, pod *corev1.Pod, st *podState, o en
 		}
 	}
 	if result == Repaired && st.hash == "" {
-		st.spec, st.hash = target, Hash(target)
+		a.redirectedWith(pod, st, target)
 	}
 	reason, logMsg := EventDrift, LogDrift
 	if j.Escaped {

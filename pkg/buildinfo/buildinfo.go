@@ -1,13 +1,13 @@
 // Package buildinfo is what a meshcni command says about its build: the JSON of
-// GET /version on its health server and the meshcni_build_info gauge.
+// GET /version on its health server. The meshcni_build_info gauge is in
+// buildinfo/buildmetrics, so that a command without metrics (meshcnictl) reads
+// Info without linking the Prometheus client.
 package buildinfo
 
 import (
 	"encoding/json"
 	"net/http"
 	"runtime"
-
-	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Info is a build's identity, as GET /version serves it.
@@ -35,15 +35,4 @@ func (i Info) Handler() http.Handler {
 		w.Header().Set("Content-Type", "application/json")
 		_, _ = w.Write(append(body, '\n'))
 	})
-}
-
-// Collector is the gauge meshcni_build_info{version, goversion} = 1.
-func (i Info) Collector() prometheus.Collector {
-	g := prometheus.NewGauge(prometheus.GaugeOpts{
-		Name:        "meshcni_build_info",
-		Help:        "1, labelled with the version of the running binary and the Go release it was built with.",
-		ConstLabels: prometheus.Labels{"version": i.Version, "goversion": i.GoVersion},
-	})
-	g.Set(1)
-	return g
 }

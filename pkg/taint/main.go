@@ -14,6 +14,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/meshcni/meshcni/pkg/buildinfo"
+	"github.com/meshcni/meshcni/pkg/buildinfo/buildmetrics"
 	"github.com/meshcni/meshcni/pkg/logformat"
 )
 
@@ -53,7 +54,7 @@ func MainVersion(version string, args []string, getenv func(string) string, stde
 		return 2
 	}
 	build := buildinfo.New(version)
-	c.Metrics.Registry.MustRegister(build.Collector())
+	c.Metrics.Registry.MustRegister(buildmetrics.Collector(build))
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	ctx, cancel := context.WithCancel(ctx)
