@@ -38,7 +38,7 @@ func (c *Config) ebpfFlags(fs *pflag.FlagSet) func() error {
 	fs.StringVar(&namespaces, "ebpf-namespaces", "", "comma-separated namespaces whose meshed pods without the annotation get at least to-proxy")
 	fs.StringVar(&c.EBPFForceUnavailable, "ebpf-force-unavailable", "", "make eBPF feature detection fail with this reason, as on a node without the kernel features (tests the fallback)")
 	fs.StringVar(&c.EBPFPinDir, "ebpf-pin-dir", sockmap.DefaultPinDir, "bpffs directory of the pinned programs and maps")
-	fs.StringVar(&c.EBPFCgroup2, "ebpf-cgroup2", "", "the host's cgroup2 root (in a container: the host's mounted in, as the chart does), which the sockops program attaches to; empty: the root of the agent's cgroup2 mount, or one it mounts")
+	fs.StringVar(&c.EBPFCgroup2, "ebpf-cgroup2", "", "the host's cgroup2 root (in a container: the host's mounted in, as the chart does), which the sockops program attaches to; a cgroup v1 hierarchy with cgroup2 at its unified/ means that unified/; empty: the root of the agent's cgroup2 mount, or one it mounts")
 	return func() error {
 		switch m := EBPFMode(mode); m {
 		case EBPFOff, EBPFAuto:
