@@ -110,8 +110,9 @@ func sharedOptions() istio.Options {
 	return istio.Options{RepoRoot: upRoot, ValuesFiles: []string{filepath.Join(upRoot, validationFreeValues)}}
 }
 
-// withTaint is o installing Istio only, with extra istiod values.
+// withTaint is o reinstalling istiod only, with extra istiod values.
 func withTaint(o istio.Options, values map[string]any) istio.Options {
+	o.Reinstall = true
 	o.SkipMeshcni = true
 	o.ExtraValues = values
 	return o
