@@ -26,7 +26,8 @@ func CacheRoot() string { return cachedir.Root("image") }
 
 // assembleCached is Assemble through a cache keyed by everything the archive's bytes
 // depend on (Assemble is deterministic): reference, tag, version, revision,
-// architectures and each binary's content. A hit copies the cached archive to o.Out.
+// architectures and each binary's content. A hit copies the cached archive to o.Out;
+// an entry that cannot be read is assembled again.
 func assembleCached(ctx context.Context, o AssembleOptions) (*Result, bool, error) {
 	key, err := assembleKey(o)
 	if err != nil {
@@ -55,7 +56,9 @@ func assembleCached(ctx context.Context, o AssembleOptions) (*Result, bool, erro
 	}
 	res, err := fromCache(dir, o.Out)
 	if err != nil {
-		return nil, false, fmt.Errorf("image cache %s: %w", dir, err)
+		// Pruned meanwhile by another build (or damaged): assemble it here.
+		res, err := Assemble(ctx, o)
+		return res, false, err
 	}
 	return res, hit, nil
 }
