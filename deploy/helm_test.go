@@ -170,5 +170,6 @@ func TestHelmVersionMatchesScript(t *testing.T) {
 func TestMain(m *testing.M) {
 	code := m.Run()
 	_ = os.RemoveAll(helmHome)
+	_ = os.RemoveAll(imageDir)
 	os.Exit(code)
 }

@@ -20,7 +20,6 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/meshcni/meshcni/internal/build/image"
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/taint"
@@ -52,15 +51,8 @@ func TestHelmInstall(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	began := time.Now()
-	archive := filepath.Join(t.TempDir(), "meshcni.tar")
-	img, err := image.Build(ctx, image.Options{RepoRoot: root, Hub: image.DefaultHub, Tag: image.DefaultTag, Out: archive, WorkDir: t.TempDir()})
-	if err != nil {
-		t.Fatalf("build the image: %v", err)
-	}
-	t.Logf("image %s built in %s", img.Ref, time.Since(began).Round(time.Millisecond))
-
-	tb, err := testbed.Start(ctx, testbed.Options{ImageArchives: []string{archive}})
+	img := builtImage(ctx, t, root)
+	tb, err := testbed.Start(ctx, testbed.Options{ImageArchives: []string{img.Out}})
 	if errors.Is(err, testbed.ErrRunning) {
 		// A shared test bed (hack/testbed up) may have meshcni installed already: a second
 		// host-network agent could not even bind its port.

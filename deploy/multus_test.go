@@ -16,7 +16,6 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
 
-	"github.com/meshcni/meshcni/internal/build/image"
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/testutil"
 )
@@ -44,11 +43,7 @@ func TestMultusStandalone(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	archive := filepath.Join(t.TempDir(), "meshcni.tar")
-	if _, err := image.Build(ctx, image.Options{RepoRoot: root, Hub: image.DefaultHub, Tag: image.DefaultTag, Out: archive, WorkDir: t.TempDir()}); err != nil {
-		t.Fatalf("build the image: %v", err)
-	}
-	tb, err := testbed.Start(ctx, testbed.Options{ImageArchives: []string{archive}})
+	tb, err := testbed.Start(ctx, testbed.Options{ImageArchives: []string{builtImage(ctx, t, root).Out}})
 	if errors.Is(err, testbed.ErrRunning) {
 		testutil.Missing(t, "a shared test bed is running (hack/testbed up): stop it to run this test")
 	}

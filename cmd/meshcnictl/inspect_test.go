@@ -28,7 +28,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	code := testbed.RunMain(m)
+	code := testbed.RunMainThen(m, removeIstio)
 	agenttest.RemoveBinaries()
 	os.Exit(code)
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -28,6 +29,31 @@ import (
 
 const precheckNS = "precheck-e2e"
 
+// istioRoot is the repository root once TestPrecheckVersionTestbed installed Istio
+// (what it installs stays for the package's later tests).
+var istioRoot string
+
+// removeIstio runs after the package's tests (TestMain): a test bed this binary
+// started stops with everything in it; from one it attached to (hack/testbed up) it
+// removes what TestPrecheckVersionTestbed installed: its namespace, istio-cni, meshcni
+// and Istio.
+func removeIstio(tb *testbed.Testbed) error {
+	if istioRoot == "" || tb.Owned() {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	_ = tb.Client.CoreV1().Namespaces().Delete(ctx, precheckNS, metav1.DeleteOptions{})
+	o := istio.Options{RepoRoot: istioRoot}
+	if err := istio.UninstallIstioCNI(ctx, tb, o); err != nil {
+		return fmt.Errorf("istio-cni down: %w", err)
+	}
+	if err := istio.Down(ctx, tb, o); err != nil {
+		return fmt.Errorf("istio down: %w", err)
+	}
+	return nil
+}
+
 // TestPrecheckVersionTestbed runs precheck and version against the real API server
 // with Istio's istiod installed by its own chart (the real injector ConfigMap), then
 // with meshcni installed by its chart: before meshcni, the node has no CNI redirect
@@ -49,17 +75,7 @@ func TestPrecheckVersionTestbed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-		defer cancel()
-		_ = tb.Client.CoreV1().Namespaces().Delete(ctx, precheckNS, metav1.DeleteOptions{})
-		if err := istio.UninstallIstioCNI(ctx, tb, istio.Options{RepoRoot: root}); err != nil {
-			t.Errorf("istio-cni down: %v", err)
-		}
-		if err := istio.Down(ctx, tb, istio.Options{RepoRoot: root}); err != nil {
-			t.Errorf("istio down: %v", err)
-		}
-	})
+	istioRoot = root
 	if _, err := istio.Up(ctx, tb, istio.Options{RepoRoot: root, SkipMeshcni: true}); err != nil {
 		t.Fatalf("istio up: %v", err)
 	}

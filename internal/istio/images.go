@@ -53,9 +53,9 @@ var standIns = map[string]string{
 }
 
 // Images builds (or finds cached) the archive holding PilotImage, ProxyImage,
-// AppImage and InstallCNIImage for build b and returns its path. The stand-ins are rebuilt every time
-// (seconds when Go's build cache is warm); the archive is cached by their content
-// and the Istio build.
+// AppImage and InstallCNIImage for build b and returns its path. The stand-ins are
+// built into the repository's bin/istio-standins (go build relinks only what changed);
+// the archive is cached by their content and the Istio build.
 func Images(ctx context.Context, log *slog.Logger, b Build) (string, error) {
 	if log == nil {
 		log = slog.Default()
@@ -65,11 +65,10 @@ func Images(ctx context.Context, log *slog.Logger, b Build) (string, error) {
 		return "", fmt.Errorf("istio images: %w", err)
 	}
 	start := time.Now()
-	work, err := os.MkdirTemp("", "meshcni-istio-standins-")
-	if err != nil {
+	work := filepath.Join(root, "bin", "istio-standins")
+	if err := os.MkdirAll(work, 0o755); err != nil {
 		return "", err
 	}
-	defer os.RemoveAll(work)
 	parts := [][]byte{[]byte(b.Dir), []byte(PilotImage + ProxyImage + AppImage + InstallCNIImage)}
 	ipt, err := IptablesFiles()
 	if err != nil {

@@ -49,6 +49,9 @@ type Options struct {
 	Timeout time.Duration
 	// SkipMeshcni installs Istio only.
 	SkipMeshcni bool
+	// Reinstall is Up over a previous Up on the same test bed (its images imported,
+	// Istio's base chart installed): only istiod and meshcni are upgraded.
+	Reinstall bool
 	// ExtraValues are merged over Values() for the istiod chart (maps merged key by
 	// key, anything else replaced), e.g. {"pilot": {"taint": {"enabled": true}}}.
 	ExtraValues map[string]any
@@ -137,6 +140,7 @@ func (r *runner) step(name string) {
 // Up builds (or finds cached) Istio and its images, imports the images, installs
 // Istio's base and istiod charts, puts istiod on the host network, waits for it, and
 // installs meshcni with its own chart. It is idempotent (helm upgrade --install).
+// With Options.Reinstall it upgrades istiod and meshcni only.
 func Up(ctx context.Context, tb *testbed.Testbed, o Options) (*Installed, error) {
 	o.defaults()
 	if tb.Mode != testbed.ModeFull {
@@ -156,15 +160,11 @@ func (r *runner) up(ctx context.Context) error {
 	}
 	r.inst.Build = b
 	r.step("istio " + b.Version + " built")
-	archive, err := Images(ctx, r.o.Log, b)
-	if err != nil {
-		return err
+	if !r.o.Reinstall {
+		if err := r.images(ctx, b); err != nil {
+			return err
+		}
 	}
-	r.step("images built")
-	if err := testbed.ImportImage(ctx, archive); err != nil {
-		return err
-	}
-	r.step("images imported")
 	if r.helm, err = demo.HelmPath(ctx, r.o.RepoRoot); err != nil {
 		return err
 	}
@@ -181,12 +181,28 @@ func (r *runner) up(ctx context.Context) error {
 	return nil
 }
 
-func (r *runner) installIstio(ctx context.Context, b Build) error {
-	if _, err := r.runHelm(ctx, "upgrade", "--install", BaseRelease, b.Chart("base"),
-		"--namespace", Namespace, "--create-namespace", "--wait"); err != nil {
+// images builds (or finds cached) Istio's images and imports them into the test bed.
+func (r *runner) images(ctx context.Context, b Build) error {
+	archive, err := Images(ctx, r.o.Log, b)
+	if err != nil {
 		return err
 	}
-	r.step("helm " + BaseRelease + " (Istio's base chart)")
+	r.step("images built")
+	if err := testbed.ImportImage(ctx, archive); err != nil {
+		return err
+	}
+	r.step("images imported")
+	return nil
+}
+
+func (r *runner) installIstio(ctx context.Context, b Build) error {
+	if !r.o.Reinstall {
+		if _, err := r.runHelm(ctx, "upgrade", "--install", BaseRelease, b.Chart("base"),
+			"--namespace", Namespace, "--create-namespace", "--wait"); err != nil {
+			return err
+		}
+		r.step("helm " + BaseRelease + " (Istio's base chart)")
+	}
 	vals, err := yaml.Marshal(mergeValues(Values(), r.o.ExtraValues))
 	if err != nil {
 		return err

@@ -27,6 +27,9 @@ import (
 // of 100 (the node's maxPods is 110 and nothing else runs on it).
 const envBurst = "MESHCNI_LOAD_BURST"
 
+// ciBurst is the number of pods of a burst by default (TestBurst, TestPodFaults).
+const ciBurst = 10
+
 const burstNS = "meshcni-burst"
 
 // burstPod is an Istio-injected pod the node really runs: the echo server as the app
@@ -201,7 +204,7 @@ const envBurstRounds = "MESHCNI_LOAD_BURST_ROUNDS"
 // (audited in their netns), and the time to all Ready of each burst logged with the
 // ratio (a measurement, not an assertion).
 func TestBurst(t *testing.T) {
-	n, err := loadtest.Count(envBurst, 20)
+	n, err := loadtest.Count(envBurst, ciBurst)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -277,7 +280,7 @@ func TestPodFaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n, err := loadtest.Count(envBurst, 20)
+	n, err := loadtest.Count(envBurst, ciBurst)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -26,11 +26,15 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// Environment knobs: the CI-sized defaults keep `make e2e` fast; the figures in
-// docs/performance.md come from MESHCNI_LOAD_CYCLES=10000.
+// Environment knobs: the CI-sized defaults (ciCycles, ciFaultCycles, ciBurst) keep `make e2e` fast;
+// the figures in docs/performance.md come from the sizes its commands name.
 const (
 	envCycles  = "MESHCNI_LOAD_CYCLES"
 	envWorkers = "MESHCNI_LOAD_WORKERS"
+	// ciCycles is TestChurn's number of ADD/DEL cycles by default; ciFaultCycles
+	// TestChurnFaults', long enough for a few API server restarts (each takes ~12 s).
+	ciCycles      = 150
+	ciFaultCycles = 300
 )
 
 func counts(t *testing.T, defCycles int) (cycles, workers int) {
@@ -277,7 +281,7 @@ func pluginErrors(fams map[string]*dto.MetricFamily) (errs, total float64) {
 // (the table is logged).
 func TestChurn(t *testing.T) {
 	testutil.RequireRoot(t)
-	cycles, workers := counts(t, 300)
+	cycles, workers := counts(t, ciCycles)
 	tb := testbed.API(t)
 	r := newRig(t, tb)
 	a := agenttest.Start(t, agenttest.Options{ConfDir: r.confDir, BinDir: r.binDir, NodeName: r.node})

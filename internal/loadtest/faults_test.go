@@ -269,7 +269,7 @@ func errorKinds(errs []string) string {
 // puts the primary's file back as it was.
 func TestChurnFaults(t *testing.T) {
 	testutil.RequireRoot(t)
-	cycles, workers := counts(t, 300)
+	cycles, workers := counts(t, ciFaultCycles)
 	killEvery, err := loadtest.Duration(envKillEvery, 3*time.Second)
 	if err != nil {
 		t.Fatal(err)

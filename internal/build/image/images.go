@@ -202,6 +202,9 @@ type Result struct {
 }
 
 // Build compiles every command for each architecture and writes the image archive.
+// The archive is assembled once per content: Build copies it from CacheRoot when the
+// same binaries, reference, version and revision were assembled before (the bytes are
+// the same either way).
 func Build(ctx context.Context, opts Options) (*Result, error) {
 	began := time.Now()
 	log := opts.Logger
@@ -258,13 +261,15 @@ func Build(ctx context.Context, opts Options) (*Result, error) {
 		}
 		bins[a] = m
 	}
-	res, err := Assemble(ctx, AssembleOptions{
+	t := time.Now()
+	res, cached, err := assembleCached(ctx, AssembleOptions{
 		Ref: ref, Tag: opts.Tag, Version: opts.Version, Revision: opts.Revision,
 		Arches: opts.Arches, Binaries: bins, Out: opts.Out,
 	})
 	if err != nil {
 		return nil, err
 	}
+	log.Info("archive assembled", "cached", cached, "took", time.Since(t).Round(time.Millisecond))
 	res.Took = time.Since(began)
 	return res, nil
 }

@@ -34,7 +34,7 @@ const (
 //     address is answered by the real pilot-agent's DNS proxy from istiod's name
 //     table, where the same query from a pod without it is refused.
 func TestIstioAnnotations(t *testing.T) {
-	tb := up(t)
+	tb := upParallel(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	injectedNamespace(ctx, t, tb, annNamespace)

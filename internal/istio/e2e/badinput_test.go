@@ -37,7 +37,7 @@ const (
 //   - An injected pod edited afterwards to interceptionMode BOGUS (istioctl
 //     kube-inject output, applied as a bare Pod): the same, naming interceptionMode.
 func TestIstioBadInput(t *testing.T) {
-	tb := up(t)
+	tb := upParallel(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	injectedNamespace(ctx, t, tb, badNamespace)

@@ -2,10 +2,12 @@ package e2e
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -44,9 +46,10 @@ type startArm struct {
 // Istio's injector offline (Inject: istioctl kube-inject with istiod's own
 // ConfigMaps; pilot.cni.enabled and the templates differ) and created in a namespace
 // without istio-injection, so the admission webhook, the same for all in
-// production, is not in the figure. A warm-up round, not measured, proves the arms:
-// what was injected, init exit 0, and TCP from each pod to the next captured by the
-// sender's proxy on 15001 and the receiver's on 15006.
+// production, is not in the figure. A warm-up round (one pod per arm, started at
+// once), not measured, proves the arms: what was injected, init exit 0, and TCP from
+// each pod to the next captured by the sender's proxy on 15001 and the receiver's on
+// 15006.
 //
 // Times are taken by the client, from just before the Create call to the first
 // watch event showing the pod's istio-proxy running (sandbox with the CNI chain,
@@ -65,7 +68,7 @@ func BenchmarkPodStart(b *testing.B) {
 	if _, err := istio.Lookup(ctx); err != nil {
 		testutil.Missing(b, "%v", err)
 	}
-	tb := up(b) // the package's one Istio install (TestMain removes it)
+	tb := up(b) // the package's one Istio install
 	inst := upInst
 	if err := tb.CreateNamespace(ctx, benchNamespace); err != nil {
 		b.Fatal(err)
@@ -144,20 +147,25 @@ func benchContainer(p *corev1.Pod, name string) *corev1.Container {
 	return nil
 }
 
-// warmUp starts one pod of each arm (not measured), checks that each init container
-// exited 0 and that TCP from each pod to the next is captured by the sender's proxy
-// on 15001 and the receiver's on 15006, then deletes them.
+// warmUp starts one pod of each arm at once (not measured), checks that each init
+// container exited 0 and that TCP from each pod to the next is captured by the
+// sender's proxy on 15001 and the receiver's on 15006, then deletes them and waits
+// until they are gone.
 func warmUp(ctx context.Context, b *testing.B, tb *testbed.Testbed, arms []*startArm) {
 	pods := make([]*corev1.Pod, len(arms))
+	errs := make([]error, len(arms))
+	var wg sync.WaitGroup
 	for i, a := range arms {
-		p, _, err := startPod(ctx, tb, a, a.name+"-warmup")
-		if err != nil {
-			b.Fatal(err)
+		wg.Go(func() { pods[i], _, errs[i] = startPod(ctx, tb, a, a.name+"-warmup") })
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		b.Fatal(err)
+	}
+	for i, a := range arms {
+		if code := initExit(pods[i], a.init); a.init != "" && code != 0 {
+			b.Fatalf("%s: %s exit code %d, want 0", pods[i].Name, a.init, code)
 		}
-		if code := initExit(p, a.init); a.init != "" && code != 0 {
-			b.Fatalf("%s: %s exit code %d, want 0", p.Name, a.init, code)
-		}
-		pods[i] = p
 	}
 	for i := range pods {
 		pair := [2]*corev1.Pod{pods[i], pods[(i+1)%len(pods)]}
@@ -171,10 +179,12 @@ func warmUp(ctx context.Context, b *testing.B, tb *testbed.Testbed, arms []*star
 		}
 		b.Logf("%s → %v captured on %v, arrived at %s's proxy on %v", pair[0].Name, tr.Dst, tr.Outbound.Local, pair[1].Name, tr.Inbound.Local)
 	}
-	for _, p := range pods {
-		if err := tb.DeletePod(ctx, p.Namespace, p.Name); err != nil {
-			b.Fatal(err)
-		}
+	for i, p := range pods {
+		wg.Go(func() { errs[i] = tb.DeletePod(ctx, p.Namespace, p.Name) })
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		b.Fatal(err)
 	}
 }
 

@@ -24,7 +24,7 @@ const namespace = "istio-e2e"
 // original destination and arrives at the server's proxy on 15006. meshcnictl takes
 // the injected istio-validation arguments unchanged (checkDropIn).
 func TestRealIstio(t *testing.T) {
-	tb := up(t)
+	tb := upParallel(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 

@@ -26,7 +26,7 @@ const kubeInjectNamespace = "istio-e2e-kube-inject"
 // webhook's pods are: istio-validation exits 0, Ready through 15021, client → server
 // captured on 15001 and 15006.
 func TestIstioKubeInject(t *testing.T) {
-	tb := up(t)
+	tb := upParallel(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	if err := tb.CreateNamespace(ctx, kubeInjectNamespace); err != nil {

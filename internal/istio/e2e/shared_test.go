@@ -16,8 +16,9 @@ import (
 )
 
 // The package installs Istio (and meshcni) once: the first test that needs it calls
-// up; after the last test, TestMain removes both (istio.Down) before the shared test
-// bed stops.
+// up. After the last test, a test bed this binary started stops with everything in
+// it; one it attached to (hack/testbed up) outlives the binary, so TestMain removes
+// Istio and meshcni from it (istio.Down).
 var (
 	upOnce   sync.Once
 	upErr    error
@@ -29,7 +30,7 @@ var (
 
 func TestMain(m *testing.M) {
 	os.Exit(testbed.RunMainThen(m, func(tb *testbed.Testbed) error {
-		if !upNeeded {
+		if !upNeeded || tb.Owned() {
 			return nil
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
@@ -80,13 +81,25 @@ func up(t testing.TB) *testbed.Testbed {
 	return tb
 }
 
+// upParallel is up for a test that changes nothing the package's tests share (the
+// install, the node's CNI chain, the agent, the node's taints): it runs in parallel
+// with the others like it (at most -test.parallel at once, GOMAXPROCS by default),
+// after the package's other tests, which change them and restore them when they end.
+func upParallel(t *testing.T) *testbed.Testbed {
+	t.Helper()
+	t.Parallel()
+	return up(t)
+}
+
 // useNamespace deletes the namespace (and waits until it is gone) when the test ends.
 func useNamespace(t *testing.T, tb *testbed.Testbed, ns string) {
 	t.Helper()
 	t.Cleanup(func() {
+		began := time.Now()
 		if err := istio.DeleteNamespace(context.Background(), tb, ns); err != nil {
 			t.Error(err)
 		}
+		t.Logf("namespace %s deleted in %s", ns, time.Since(began).Round(time.Millisecond))
 	})
 }
 
@@ -97,8 +110,9 @@ func sharedOptions() istio.Options {
 	return istio.Options{RepoRoot: upRoot, ValuesFiles: []string{filepath.Join(upRoot, validationFreeValues)}}
 }
 
-// withTaint is o installing Istio only, with extra istiod values.
+// withTaint is o reinstalling istiod only, with extra istiod values.
 func withTaint(o istio.Options, values map[string]any) istio.Options {
+	o.Reinstall = true
 	o.SkipMeshcni = true
 	o.ExtraValues = values
 	return o

@@ -58,7 +58,9 @@ func TestIstiodUntaintsMeshcniNode(t *testing.T) {
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 		defer cancel()
-		if _, err := istio.Up(ctx, tb, sharedOptions()); err != nil {
+		o := sharedOptions()
+		o.Reinstall = true
+		if _, err := istio.Up(ctx, tb, o); err != nil {
 			t.Errorf("restore istiod and meshcni: %v", err)
 		}
 	})

@@ -41,7 +41,7 @@ var validationFreeTemplates = strings.Join([]string{"sidecar", validationFreeTem
 // server's proxy on 15006 from the client's pod IP. The agent labels both meshed pods
 // meshcni.io/redirected=true and leaves a pod without sidecar unlabelled.
 func TestIstioValidationFree(t *testing.T) {
-	tb := up(t)
+	tb := upParallel(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
 	const ns = "istio-e2e-validation-free"

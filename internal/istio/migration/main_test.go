@@ -15,8 +15,9 @@ import (
 	"github.com/meshcni/meshcni/internal/testutil"
 )
 
-// Istio (without meshcni) is installed once, by the first test; TestMain removes
-// istio-cni, meshcni and Istio after the last.
+// Istio (without meshcni) is installed once, by the first test. After the last test,
+// a test bed this binary started stops with everything in it; from one it attached
+// to (hack/testbed up), TestMain removes istio-cni, meshcni and Istio.
 var (
 	upOnce   sync.Once
 	upErr    error
@@ -26,7 +27,7 @@ var (
 
 func TestMain(m *testing.M) {
 	os.Exit(testbed.RunMainThen(m, func(tb *testbed.Testbed) error {
-		if !upNeeded {
+		if !upNeeded || tb.Owned() {
 			return nil
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
