@@ -11,7 +11,9 @@
 // reaches; the agent's runDir inside testbed.RunDir, each node's own tmpfs (the
 // chart's /var/run/meshcni is on the host's file system, one directory for every
 // node's agent); the taint controller on node 1, so a node a test removes or kills
-// never takes it along; and nodes labelled UnmeshedLabel left alone (no agent, no
+// never takes it along, on the pod network (it reaches the API server at the
+// cluster address; a host-network replica would hold its port on node 1 and block
+// the surge pod of a rolling update); and nodes labelled UnmeshedLabel left alone (no agent, no
 // taint), the baseline of BenchmarkNodeJoin.
 package multinode
 
@@ -62,6 +64,7 @@ affinity:
         - matchExpressions:
             - {key: ` + UnmeshedLabel + `, operator: DoesNotExist}
 taintController:
+  hostNetwork: false
   nodeSelectorLabels: "kubernetes.io/os=linux,!` + UnmeshedLabel + `"
   nodeSelector:
     kubernetes.io/hostname: ` + testbed.NodeName + `
