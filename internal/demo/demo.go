@@ -73,6 +73,13 @@ type Options struct {
 	Keep bool
 	// Timeout bounds each wait (2 minutes when zero).
 	Timeout time.Duration
+	// APIServerHost and APIServerPort are where meshcni's pods reach the API
+	// server (testbed.APIServerHost and APIServerPort when empty; a test bed
+	// with several nodes needs testbed.ClusterAPIServerHost).
+	APIServerHost string
+	APIServerPort int
+	// Values are more Helm values files, given after ValuesFile.
+	Values []string
 }
 
 // Report is what Run saw.
@@ -129,6 +136,12 @@ func (o *Options) defaults() {
 	}
 	if o.Timeout == 0 {
 		o.Timeout = 2 * time.Minute
+	}
+	if o.APIServerHost == "" {
+		o.APIServerHost = testbed.APIServerHost
+	}
+	if o.APIServerPort == 0 {
+		o.APIServerPort = testbed.APIServerPort
 	}
 }
 
@@ -210,7 +223,7 @@ func (r *runner) install(ctx context.Context) error {
 		return fmt.Errorf("build the image: %w", err)
 	}
 	r.rep.Image = img
-	hostDir := filepath.Join(work, strings.ReplaceAll(image.HostArch().String(), "/", "-"))
+	hostDir := HostBinDir(o.RepoRoot)
 	r.hostCt = filepath.Join(hostDir, "meshcnictl")
 	r.plugin = filepath.Join(hostDir, image.PluginCommand)
 	r.step(fmt.Sprintf("image %s built (%.1f MB)", img.Ref, float64(img.ArchiveSize)/1e6))
@@ -236,15 +249,20 @@ func (r *runner) install(ctx context.Context) error {
 	args := []string{"upgrade", "--install", Release, filepath.Join(o.RepoRoot, ChartDir),
 		"--namespace", ReleaseNamespace, "--create-namespace",
 		"--values", filepath.Join(o.RepoRoot, ValuesFile),
-		"--set-string", "hub=" + o.Hub, "--set-string", "tag=" + o.Tag,
-		"--set-string", "pullPolicy=Never",
-		"--set-string", "cniBinDir=" + testbed.CNIBinDir,
-		"--set-string", "cniConfDir=" + testbed.CNIConfDir,
-		"--set-string", "apiServer.host=" + testbed.APIServerHost,
-		"--set", "apiServer.port=" + strconv.Itoa(testbed.APIServerPort),
-		"--set", "taintController.enabled=true",
-		"--set-string", "podAnnotations." + strings.ReplaceAll(imageAnnotation, ".", `\.`) + "=" + img.IndexDigest,
 	}
+	for _, v := range o.Values {
+		args = append(args, "--values", v)
+	}
+	args = append(args,
+		"--set-string", "hub="+o.Hub, "--set-string", "tag="+o.Tag,
+		"--set-string", "pullPolicy=Never",
+		"--set-string", "cniBinDir="+testbed.CNIBinDir,
+		"--set-string", "cniConfDir="+testbed.CNIConfDir,
+		"--set-string", "apiServer.host="+o.APIServerHost,
+		"--set", "apiServer.port="+strconv.Itoa(o.APIServerPort),
+		"--set", "taintController.enabled=true",
+		"--set-string", "podAnnotations."+strings.ReplaceAll(imageAnnotation, ".", `\.`)+"="+img.IndexDigest,
+	)
 	if _, err := r.runHelm(ctx, args...); err != nil {
 		return err
 	}
@@ -269,6 +287,12 @@ func (r *runner) install(ctx context.Context) error {
 	}
 	r.step("node free of the " + NotReadyTaint + " taint")
 	return nil
+}
+
+// HostBinDir is where Run and Install leave the host's build of the image's
+// commands (meshcnictl, the plugin, …).
+func HostBinDir(repoRoot string) string {
+	return filepath.Join(repoRoot, "bin", "images", "build", strings.ReplaceAll(image.HostArch().String(), "/", "-"))
 }
 
 func helmPath(ctx context.Context, root string) (string, error) {

@@ -29,7 +29,12 @@ func serveControl(tb *Testbed) (io.Closer, error) {
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /nodes/add", func(w http.ResponseWriter, r *http.Request) {
-		n, err := tb.AddNode(r.Context(), r.URL.Query().Get("name"))
+		labels, err := parseLabelList(r.URL.Query().Get("labels"))
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		n, err := tb.AddNodeWith(r.Context(), r.URL.Query().Get("name"), NodeOptions{Labels: labels})
 		if err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
@@ -52,12 +57,32 @@ func serveControl(tb *Testbed) (io.Closer, error) {
 	return srv, nil
 }
 
-func controlCall(ctx context.Context, op, name string) ([]byte, error) {
+// parseLabelList reads labelList's k=v,k=v ("" = none).
+func parseLabelList(s string) (map[string]string, error) {
+	if s == "" {
+		return nil, nil
+	}
+	out := map[string]string{}
+	for kv := range strings.SplitSeq(s, ",") {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || k == "" {
+			return nil, fmt.Errorf("node label %q: want KEY=VALUE", kv)
+		}
+		out[k] = v
+	}
+	return out, nil
+}
+
+func controlCall(ctx context.Context, op, name string, query ...string) ([]byte, error) {
 	c := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 		var d net.Dialer
 		return d.DialContext(ctx, "unix", controlSocket)
 	}}}
-	u := "http://testbed/nodes/" + op + "?name=" + url.QueryEscape(name)
+	q := url.Values{"name": {name}}
+	for i := 0; i+1 < len(query); i += 2 {
+		q.Set(query[i], query[i+1])
+	}
+	u := "http://testbed/nodes/" + op + "?" + q.Encode()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, nil)
 	if err != nil {
 		return nil, err
@@ -74,8 +99,12 @@ func controlCall(ctx context.Context, op, name string) ([]byte, error) {
 	return b, nil
 }
 
-func controlAddNode(ctx context.Context, tb *Testbed, name string) (*Node, error) {
-	b, err := controlCall(ctx, "add", name)
+func controlAddNode(ctx context.Context, tb *Testbed, name string, labels map[string]string) (*Node, error) {
+	var query []string
+	if len(labels) > 0 {
+		query = []string{"labels", labelList(labels)}
+	}
+	b, err := controlCall(ctx, "add", name, query...)
 	if err != nil {
 		return nil, fmt.Errorf("add node %s: %w", name, err)
 	}

@@ -34,6 +34,7 @@ type Node struct {
 
 	tb            *Testbed
 	plan          nodePlan // Index 0 for node 1
+	labels        map[string]string
 	containerdPID int
 	containerd    *component // nil unless this process started the node
 	kubelet       *component
@@ -142,16 +143,29 @@ func (tb *Testbed) primaryNode() *Node {
 // is Ready, with the test bed's images imported. Through an attached test bed it
 // asks the owner (`hack/testbed up`) to do it.
 func (tb *Testbed) AddNode(ctx context.Context, name string) (*Node, error) {
-	return tb.addNode(ctx, name, 0)
+	return tb.addNode(ctx, name, 0, NodeOptions{})
+}
+
+// NodeOptions configure AddNodeWith.
+type NodeOptions struct {
+	// Labels are the node's labels from its registration on (kubelet
+	// --node-labels): a controller that selects nodes by label sees them on the
+	// Node's first version.
+	Labels map[string]string
+}
+
+// AddNodeWith is AddNode with options.
+func (tb *Testbed) AddNodeWith(ctx context.Context, name string, o NodeOptions) (*Node, error) {
+	return tb.addNode(ctx, name, 0, o)
 }
 
 // addNode adds a node at index (0: the lowest free one).
-func (tb *Testbed) addNode(ctx context.Context, name string, index int) (*Node, error) {
+func (tb *Testbed) addNode(ctx context.Context, name string, index int, o NodeOptions) (*Node, error) {
 	if tb.Mode != ModeFull {
 		return nil, errors.New("testbed: nodes need a full test bed")
 	}
 	if !tb.owned {
-		return controlAddNode(ctx, tb, name)
+		return controlAddNode(ctx, tb, name, o.Labels)
 	}
 	tb.mu.Lock()
 	var used []int
@@ -175,7 +189,7 @@ func (tb *Testbed) addNode(ctx context.Context, name string, index int) (*Node, 
 		tb.mu.Unlock()
 		return nil, err
 	}
-	n := &Node{Name: name, IP: plan.NodeIP(), PodCIDR: plan.PodCIDR(), tb: tb, plan: plan}
+	n := &Node{Name: name, IP: plan.NodeIP(), PodCIDR: plan.PodCIDR(), tb: tb, plan: plan, labels: o.Labels}
 	tb.nodes = append(tb.nodes, n)
 	tb.mu.Unlock()
 	if err := n.start(ctx); err != nil {
@@ -242,11 +256,14 @@ func (n *Node) start(ctx context.Context) error {
 	}
 	imported := make(chan error, 1)
 	go func() { imported <- n.importImages(ctx) }()
-	kl, err := n.startInNode("kubelet", tb.Binaries.Path("kubelet"),
-		"--config="+filepath.Join(p.Dir(), "kubelet.yaml"),
-		"--kubeconfig="+filepath.Join(p.Dir(), "kubelet.kubeconfig"),
-		"--root-dir="+kubeletDir, "--cert-dir="+filepath.Join(kubeletDir, "pki"),
-		"--hostname-override="+p.Name, "--node-ip="+p.NodeIP(), "--v=1")
+	args := []string{"--config=" + filepath.Join(p.Dir(), "kubelet.yaml"),
+		"--kubeconfig=" + filepath.Join(p.Dir(), "kubelet.kubeconfig"),
+		"--root-dir=" + kubeletDir, "--cert-dir=" + filepath.Join(kubeletDir, "pki"),
+		"--hostname-override=" + p.Name, "--node-ip=" + p.NodeIP(), "--v=1"}
+	if len(n.labels) > 0 {
+		args = append(args, "--node-labels="+labelList(n.labels))
+	}
+	kl, err := n.startInNode("kubelet", tb.Binaries.Path("kubelet"), args...)
 	if err != nil {
 		<-imported
 		return err
@@ -264,6 +281,16 @@ func (n *Node) start(ctx context.Context) error {
 	}
 	tb.log.Info("node ready", "node", p.Name, "ip", p.NodeIP(), "podCIDR", p.PodCIDR(), "took", n.StartupTime.Round(time.Millisecond))
 	return nil
+}
+
+// labelList is labels as kubelet's --node-labels takes them: k=v,k=v, sorted.
+func labelList(labels map[string]string) string {
+	var kv []string
+	for k, v := range labels {
+		kv = append(kv, k+"="+v)
+	}
+	slices.Sort(kv)
+	return strings.Join(kv, ",")
 }
 
 // startInNode starts a daemon inside the node's namespaces (nsenter, which

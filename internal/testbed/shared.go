@@ -3,6 +3,7 @@ package testbed
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"sync"
@@ -68,11 +69,20 @@ func RunMainThen(m *testing.M, then func(*Testbed) error) int {
 // CNIBinDir) and use their own namespaces or pod names.
 func Shared(t testing.TB) *Testbed {
 	t.Helper()
+	return SharedNodes(t, 1)
+}
+
+// SharedNodes is Shared with at least nodes nodes: a test bed it starts runs
+// Options.Nodes = nodes; to one already running (this binary's, or attached)
+// it adds the missing extra nodes (NodeName-2, NodeName-3, …), which then stay
+// until the test bed stops.
+func SharedNodes(t testing.TB, nodes int) *Testbed {
+	t.Helper()
 	requireBuilt(t)
 	sharedMu.Lock()
 	defer sharedMu.Unlock()
 	if tb := runningShared(); tb != nil {
-		return tb
+		return ensureNodes(t, tb, nodes)
 	}
 	if sharedFail != nil {
 		t.Fatalf("shared test bed failed to start earlier: %v", sharedFail)
@@ -88,9 +98,9 @@ func Shared(t testing.TB) *Testbed {
 			t.Fatalf("the running test bed is %s; Shared needs a full one (hack/testbed down && hack/testbed up)", tb.Mode)
 		}
 		sharedTB = tb
-		return tb
+		return ensureNodes(t, tb, nodes)
 	}
-	tb, err := Start(ctx, Options{Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))})
+	tb, err := Start(ctx, Options{Nodes: nodes, Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))})
 	if err != nil {
 		sharedFail = err
 		t.Fatalf("start test bed: %v", err)
@@ -105,6 +115,26 @@ func Shared(t testing.TB) *Testbed {
 				t.Errorf("stop test bed: %v", err)
 			}
 		})
+	}
+	return tb
+}
+
+// ensureNodes adds to tb the extra nodes NodeName-k (k = 2..nodes) it lacks.
+func ensureNodes(t testing.TB, tb *Testbed, nodes int) *Testbed {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	for k := 2; len(tb.Nodes()) < nodes && k <= MaxNodes; k++ {
+		name := fmt.Sprintf("%s-%d", NodeName, k)
+		if _, err := tb.Node(name); err == nil {
+			continue
+		}
+		if _, err := tb.AddNode(ctx, name); err != nil {
+			t.Fatalf("add node %s to the shared test bed: %v", name, err)
+		}
+	}
+	if got := len(tb.Nodes()); got < nodes {
+		t.Fatalf("the shared test bed has %d nodes, want %d", got, nodes)
 	}
 	return tb
 }

@@ -829,7 +829,7 @@ func (tb *Testbed) startNodes(ctx context.Context, total int) error {
 	errc := make(chan error, total-1)
 	for k := 2; k <= total; k++ {
 		go func() {
-			_, err := tb.addNode(ctx, fmt.Sprintf("%s-%d", NodeName, k), k)
+			_, err := tb.addNode(ctx, fmt.Sprintf("%s-%d", NodeName, k), k, NodeOptions{})
 			errc <- err
 		}()
 	}
