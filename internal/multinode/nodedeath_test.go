@@ -5,16 +5,12 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
-	"sync"
 	"testing"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/tools/cache"
-	watchtools "k8s.io/client-go/tools/watch"
 
 	"github.com/meshcni/meshcni/internal/demo"
 	"github.com/meshcni/meshcni/internal/multinode"
@@ -61,7 +57,13 @@ func TestNodeDies(t *testing.T) {
 	for _, n := range survivors {
 		names = append(names, n.Name)
 	}
-	taints := watchTaints(ctx, t, tb, names)
+	// Every version of every Node from now on: the remaining nodes' must all be free.
+	nodeWatch, err := multinode.WatchNodes(ctx, tb.Client, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nodeWatch.Stop)
+	watched := time.Now()
 	ns := namespace(t, c, "mn-dies")
 
 	dying, err := tb.AddNode(ctx, dyingNode)
@@ -160,9 +162,28 @@ func TestNodeDies(t *testing.T) {
 	if _, err := tb.WaitDaemonSet(dctx, demo.ReleaseNamespace, "meshcni-agent"); err != nil {
 		t.Errorf("meshcni's DaemonSet after %s was removed: %v", dying.Name, err)
 	}
-	for _, c := range taints.stop() {
-		t.Errorf("taints of a remaining node changed during the test: %s", c)
+	nodeWatch.Stop()
+	for _, n := range names {
+		states := nodeWatch.States(n)
+		if len(states) == 0 {
+			t.Errorf("node %s: the watch saw no version of it", n)
+		}
+		for _, st := range states {
+			if !st.Free() {
+				t.Errorf("node %s, %v into the test: %s; want it Ready, schedulable and untainted throughout", n, st.At.Sub(watched).Round(time.Millisecond), st)
+			}
+		}
 	}
+	t.Logf("%d versions of the %d remaining nodes seen over %v, every one Ready, schedulable and untainted",
+		versions(nodeWatch, names), len(names), time.Since(watched).Round(time.Millisecond))
+}
+
+func versions(w *multinode.NodeWatch, nodes []string) int {
+	n := 0
+	for _, name := range nodes {
+		n += len(w.States(name))
+	}
+	return n
 }
 
 // dyingDeployment is a Deployment of the demo's meshed pod preferring node, whose
@@ -229,105 +250,5 @@ func deploymentPods(ctx context.Context, t *testing.T, tb *testbed.Testbed, ns, 
 		waitListening(ctx, t, tb, p, demo.AppContainer)
 		waitListening(ctx, t, tb, p, demo.ProxyContainer)
 	}
-	return out
-}
-
-// taintWatch records every change of the taints of some nodes, from a watch
-// started at a list of them (no change between two polls can be missed).
-type taintWatch struct {
-	cancel  context.CancelFunc
-	done    chan struct{}
-	mu      sync.Mutex
-	changes []string
-}
-
-func watchTaints(ctx context.Context, t *testing.T, tb *testbed.Testbed, nodes []string) *taintWatch {
-	t.Helper()
-	list, err := tb.Client.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	initial := map[string][]string{}
-	for _, n := range list.Items {
-		if slices.Contains(nodes, n.Name) {
-			initial[n.Name] = taintSet(n.Spec.Taints)
-		}
-	}
-	for _, n := range nodes {
-		if _, ok := initial[n]; !ok {
-			t.Fatalf("node %s not in the API", n)
-		}
-	}
-	wctx, cancel := context.WithCancel(ctx)
-	rw, err := watchtools.NewRetryWatcherWithContext(wctx, list.ResourceVersion, &cache.ListWatch{
-		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return tb.Client.CoreV1().Nodes().Watch(ctx, o)
-		},
-	})
-	if err != nil {
-		cancel()
-		t.Fatal(err)
-	}
-	w := &taintWatch{cancel: cancel, done: make(chan struct{})}
-	began := time.Now()
-	go func() {
-		defer close(w.done)
-		defer rw.Stop()
-		for {
-			select {
-			case <-wctx.Done():
-				return
-			case ev, ok := <-rw.ResultChan():
-				if !ok {
-					if wctx.Err() != nil {
-						return
-					}
-					w.note(fmt.Sprintf("the watch of the nodes ended at %v", time.Since(began).Round(time.Millisecond)))
-					return
-				}
-				n, isNode := ev.Object.(*corev1.Node)
-				if !isNode {
-					if ev.Type == watch.Error {
-						w.note(fmt.Sprintf("watch error at %v: %v", time.Since(began).Round(time.Millisecond), ev.Object))
-					}
-					continue
-				}
-				want, watched := initial[n.Name]
-				if !watched || ev.Type == watch.Deleted {
-					continue
-				}
-				if got := taintSet(n.Spec.Taints); !slices.Equal(got, want) {
-					w.note(fmt.Sprintf("%s at %v: taints %v, was %v", n.Name, time.Since(began).Round(time.Millisecond), got, want))
-				}
-			}
-		}
-	}()
-	t.Cleanup(func() { w.stop() })
-	return w
-}
-
-func (w *taintWatch) note(s string) {
-	w.mu.Lock()
-	w.changes = append(w.changes, s)
-	w.mu.Unlock()
-}
-
-// stop ends the watch and returns the changes it saw.
-func (w *taintWatch) stop() []string {
-	w.cancel()
-	<-w.done
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	out := w.changes
-	w.changes = nil
-	return out
-}
-
-func taintSet(ts []corev1.Taint) []string {
-	var out []string
-	for _, tt := range ts {
-		out = append(out, tt.Key+"="+tt.Value+":"+string(tt.Effect))
-	}
-	slices.Sort(out)
 	return out
 }
