@@ -69,9 +69,22 @@ func TestNodeLocalScope(t *testing.T) {
 			}
 		}
 	}
-	t.Cleanup(resume)
-	file, orig := takeMeshcniOut(t, b)
-	t.Cleanup(func() { restoreChain(t, b, file, orig) })
+	var file string
+	var orig []byte
+	// Restore B for the tests that follow: its agent running, meshcni in its chain
+	// (put back by the agent, else by the test, which is then an error), B meshed.
+	t.Cleanup(func() {
+		resume()
+		if file != "" {
+			restoreChain(t, b, file, orig)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		if err := c.WaitNodeMeshed(ctx, b); err != nil {
+			t.Errorf("node %s after the test: %v", b.Name, err)
+		}
+	})
+	file, orig = takeMeshcniOut(t, b)
 
 	raced := c.MeshedPod(ns, "raced", b.Name)
 	// The not-ready taint the taint controller may set while B's agent is held must
@@ -111,7 +124,7 @@ func TestNodeLocalScope(t *testing.T) {
 		return nil
 	})
 	var repairedEv corev1.Event
-	pollUntil(ctx, t, time.Minute, "Event "+repair.ReasonRepaired+" on raced", func() error {
+	evSeen := pollUntil(ctx, t, time.Minute, "Event "+repair.ReasonRepaired+" on raced", func() error {
 		ev, err := podEvent(ctx, tb, raced, repair.ReasonRepaired)
 		repairedEv = ev
 		return err
@@ -141,8 +154,8 @@ func TestNodeLocalScope(t *testing.T) {
 		t.Errorf("raced after the repair: inspect from %s says meshed %v, status %s, rules in %v (%v); want meshed, in-sync in one backend",
 			b.Name, rep.Meshed, rep.Status, rep.Backends(), rep.Problems)
 	}
-	t.Logf("raced repaired on %s: Event %s %v after SIGCONT (%q), Ready %v after SIGCONT",
-		b.Name, repair.ReasonRepaired, repairedEv.LastTimestamp.Sub(resumed).Round(time.Millisecond), repairedEv.Message, time.Since(resumed).Round(time.Millisecond))
+	t.Logf("raced repaired on %s: Event %s seen %v after SIGCONT (%q), Ready %v after SIGCONT",
+		b.Name, repair.ReasonRepaired, evSeen.Sub(resumed).Round(time.Millisecond), repairedEv.Message, time.Since(resumed).Round(time.Millisecond))
 
 	checkAgentEvents(ctx, t, tb, p, b.Name)
 
