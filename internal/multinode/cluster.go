@@ -7,14 +7,14 @@
 //
 // The install is demo.Install's (the image, the stand-in proxy's image, the chart
 // with deploy/testbed-values.yaml) with the multi-node differences in one values
-// file (Values): the API server at testbed.ClusterAPIServerHost, which every node
-// reaches; the agent's runDir inside testbed.RunDir, each node's own tmpfs (the
-// chart's /var/run/meshcni is on the host's file system, one directory for every
-// node's agent); the taint controller on node 1, so a node a test removes or kills
-// never takes it along, on the pod network (it reaches the API server at the
-// cluster address; a host-network replica would hold its port on node 1 and block
-// the surge pod of a rolling update); and nodes labelled UnmeshedLabel left alone (no agent, no
-// taint), the baseline of BenchmarkNodeJoin.
+// file: the API server at testbed.ClusterAPIServerHost, which every node reaches;
+// the agent's runDir inside testbed.RunDir, each node's own tmpfs (the chart's
+// /var/run/meshcni is on the host's file system, one directory for every node's
+// agent); the taint controller on node 1, so a node a test removes or kills never
+// takes it along, and on the pod network (it reaches the API server at the
+// cluster address; a host-network replica would hold its port on node 1 and
+// block the surge pod of a rolling update); and nodes labelled UnmeshedLabel left
+// alone (no agent, no taint), the baseline of BenchmarkNodeJoin.
 package multinode
 
 import (

@@ -131,6 +131,7 @@ func TestRollingUpgrade(t *testing.T) {
 
 	lctx, stopLoop := context.WithCancel(ctx)
 	var created []string
+	createdAt := map[string][]time.Time{} // node → when the loop created a pod there
 	var createErr error
 	bg.Go(func() {
 		for i := 0; lctx.Err() == nil && i < 60; i++ {
@@ -143,6 +144,7 @@ func TestRollingUpgrade(t *testing.T) {
 				return
 			}
 			created = append(created, p.Name)
+			createdAt[n.Name] = append(createdAt[n.Name], time.Now())
 			select {
 			case <-lctx.Done():
 			case <-time.After(700 * time.Millisecond):
@@ -169,7 +171,14 @@ func TestRollingUpgrade(t *testing.T) {
 	ro.mu.Lock()
 	for _, n := range nodes {
 		w := ro.windows[n.Name]
-		t.Logf("node %s: agent rollout %s .. %s (%s)", n.Name, w.start.Format("15:04:05.000"), w.end.Format("15:04:05.000"), w.end.Sub(w.start).Round(time.Millisecond))
+		during := 0
+		for _, at := range createdAt[n.Name] {
+			if !at.Before(w.start) && !at.After(w.end) {
+				during++
+			}
+		}
+		t.Logf("node %s: agent rollout %s .. %s (%s), %d pods created there meanwhile", n.Name,
+			w.start.Format("15:04:05.000"), w.end.Format("15:04:05.000"), w.end.Sub(w.start).Round(time.Millisecond), during)
 		if w.start.IsZero() || w.end.IsZero() {
 			t.Errorf("node %s: no rollout of its agent seen (start %v, end %v)", n.Name, w.start, w.end)
 		}

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -254,8 +255,12 @@ func (n *Node) start(ctx context.Context) error {
 	}); err != nil {
 		return err
 	}
-	imported := make(chan error, 1)
-	go func() { imported <- n.importImages(ctx) }()
+	// Images before the kubelet: a pod scheduled onto the node as soon as it
+	// registers (a DaemonSet's) would otherwise find its image missing
+	// (pullPolicy Never) and wait out the kubelet's back-off.
+	if err := n.importImages(ctx); err != nil {
+		return err
+	}
 	args := []string{"--config=" + filepath.Join(p.Dir(), "kubelet.yaml"),
 		"--kubeconfig=" + filepath.Join(p.Dir(), "kubelet.kubeconfig"),
 		"--root-dir=" + kubeletDir, "--cert-dir=" + filepath.Join(kubeletDir, "pki"),
@@ -265,7 +270,6 @@ func (n *Node) start(ctx context.Context) error {
 	}
 	kl, err := n.startInNode("kubelet", tb.Binaries.Path("kubelet"), args...)
 	if err != nil {
-		<-imported
 		return err
 	}
 	tb.mu.Lock()
@@ -276,8 +280,8 @@ func (n *Node) start(ctx context.Context) error {
 	tb.mu.Lock()
 	n.StartupTime = time.Since(began)
 	tb.mu.Unlock()
-	if err := errors.Join(rerr, <-imported); err != nil {
-		return err
+	if rerr != nil {
+		return rerr
 	}
 	tb.log.Info("node ready", "node", p.Name, "ip", p.NodeIP(), "podCIDR", p.PodCIDR(), "took", n.StartupTime.Round(time.Millisecond))
 	return nil
@@ -300,20 +304,23 @@ func (n *Node) startInNode(what, bin string, args ...string) (*component, error)
 	return startComponent("node-"+n.plan.Name+"-"+what, "nsenter", append(ns, args...)...)
 }
 
-// importImages imports into the node every archive the test bed imported so far.
+// importImages imports into the node every archive the test bed imported so far,
+// in parallel.
 func (n *Node) importImages(ctx context.Context) error {
 	archives := append([]string{n.tb.Binaries.ImagesArchive()}, importedArchives()...)
-	seen := map[string]bool{}
-	for _, a := range archives {
-		if seen[a] {
-			continue
-		}
-		seen[a] = true
-		if err := importInto(ctx, n.criSocket(), a); err != nil {
-			return fmt.Errorf("node %s: %w", n.Name, err)
-		}
+	slices.Sort(archives)
+	archives = slices.Compact(archives)
+	errs := make([]error, len(archives))
+	var wg sync.WaitGroup
+	for i, a := range archives {
+		wg.Go(func() {
+			if err := importInto(ctx, n.criSocket(), a); err != nil {
+				errs[i] = fmt.Errorf("node %s: %w", n.Name, err)
+			}
+		})
 	}
-	return nil
+	wg.Wait()
+	return errors.Join(errs...)
 }
 
 func nodeReady(ctx context.Context, cs kubernetes.Interface, name string) error {
