@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/netip"
 	"os"
@@ -275,27 +274,7 @@ func startEBPFPod(ctx context.Context, t *testing.T, tb *testbed.Testbed, name s
 func appToProxy(t *testing.T, netns string, n int) {
 	t.Helper()
 	traffic.StartProxy(t, netns, traffic.ProxyOptions{Args: []string{"--log-level=error"}})
-	var c net.Conn
-	if err := traffic.InNetns(netns, func() (err error) {
-		c, err = net.DialTimeout("tcp", ebpfDst.String(), 5*time.Second)
-		return err
-	}); err != nil {
-		t.Fatalf("dial %v in %s: %v", ebpfDst, netns, err)
-	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
-	if _, err := c.Write(make([]byte, n)); err != nil {
-		t.Fatalf("send %d bytes: %v", n, err)
-	}
-	_ = c.(*net.TCPConn).CloseWrite()
-	b, err := io.ReadAll(c)
-	if err != nil {
-		t.Fatalf("read the proxy's answer: %v", err)
-	}
-	var rec proxysim.Record
-	if err := json.Unmarshal(b, &rec); err != nil {
-		t.Fatalf("proxy's answer %q: %v", b, err)
-	}
+	rec := traffic.SendBulk(t, netns, ebpfDst, n)
 	if rec.Listener != proxysim.ListenerOutbound || rec.OrigDst != ebpfDst {
 		t.Fatalf("proxy saw listener %s, original destination %v; want %s, %v", rec.Listener, rec.OrigDst, proxysim.ListenerOutbound, ebpfDst)
 	}

@@ -295,38 +295,14 @@ func sampleName(name string, m *dto.Metric) string {
 }
 
 // agentProcess finds the agent container's process on the host (the nodes share the
-// host's PID namespace): the meshcni-agent process whose cgroup names the container.
+// host's PID namespace).
 func agentProcess(t *testing.T, agent *corev1.Pod) int {
 	t.Helper()
-	var id string
-	for _, s := range agent.Status.ContainerStatuses {
-		if s.Name == "agent" {
-			_, id, _ = strings.Cut(s.ContainerID, "://")
-		}
-	}
-	if id == "" {
-		t.Fatalf("agent pod %s: no agent container ID", agent.Name)
-	}
-	entries, err := os.ReadDir("/proc")
+	pid, err := testbed.ContainerProcess(agent, "agent", image.AgentCommand)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var pids []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		comm, err1 := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
-		cg, err2 := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
-		if err1 == nil && err2 == nil && strings.TrimSpace(string(comm)) == image.AgentCommand && strings.Contains(string(cg), id) {
-			pids = append(pids, pid)
-		}
-	}
-	if len(pids) != 1 {
-		t.Fatalf("agent container %.12s on %s: meshcni-agent processes %v, want one", id, agent.Spec.NodeName, pids)
-	}
-	return pids[0]
+	return pid
 }
 
 // takeMeshcniOut removes meshcni's entry from the node's conflist that holds it

@@ -2,6 +2,8 @@ package traffic
 
 import (
 	"encoding/json"
+	"io"
+	"net"
 	"net/netip"
 	"strings"
 	"testing"
@@ -122,4 +124,34 @@ func QueryDNS(t testing.TB, nsPath string, server netip.AddrPort, name string, o
 		t.Fatalf("dns-client output %q: %v", out, err)
 	}
 	return r
+}
+
+// SendBulk connects from inside the namespace to dst (from this process, as root),
+// sends n zero bytes, closes its sending side and decodes the answer of the
+// record-mode proxy that the redirect took the connection to (which listener, the
+// original destination it read). Any error fails the test.
+func SendBulk(t testing.TB, nsPath string, dst netip.AddrPort, n int) proxysim.Record {
+	t.Helper()
+	var c net.Conn
+	if err := InNetns(nsPath, func() (err error) {
+		c, err = net.DialTimeout("tcp", dst.String(), 5*time.Second)
+		return err
+	}); err != nil {
+		t.Fatalf("dial %v in %s: %v", dst, nsPath, err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	if _, err := c.Write(make([]byte, n)); err != nil {
+		t.Fatalf("send %d bytes to %v: %v", n, dst, err)
+	}
+	_ = c.(*net.TCPConn).CloseWrite()
+	b, err := io.ReadAll(c)
+	if err != nil {
+		t.Fatalf("read the proxy's answer: %v", err)
+	}
+	var rec proxysim.Record
+	if err := json.Unmarshal(b, &rec); err != nil {
+		t.Fatalf("proxy's answer %q: %v", b, err)
+	}
+	return rec
 }

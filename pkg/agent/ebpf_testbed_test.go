@@ -2,10 +2,7 @@ package agent_test
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
-	"io"
-	"net"
 	"net/netip"
 	"os"
 	"strings"
@@ -172,33 +169,13 @@ func startMeshed(ctx context.Context, t *testing.T, tb *testbed.Testbed, name st
 	return netns
 }
 
-// sendToProxy runs the stand-in proxy in the pod (UID 1337, record mode) and, as
-// the app, sends n bytes to ebpfDst: the redirect takes them to the proxy, which
-// answers with the original destination it read.
+// sendToProxy runs the stand-in proxy in the pod (UID 1337, record mode) and, as the
+// app, sends n bytes to ebpfDst: the redirect takes them to the proxy, which answers
+// with the original destination it read (SO_ORIGINAL_DST).
 func sendToProxy(t *testing.T, netns string, n int) {
 	t.Helper()
 	traffic.StartProxy(t, netns, traffic.ProxyOptions{Args: []string{"--log-level=error"}})
-	var c net.Conn
-	if err := traffic.InNetns(netns, func() (err error) {
-		c, err = net.DialTimeout("tcp", ebpfDst.String(), 5*time.Second)
-		return err
-	}); err != nil {
-		t.Fatalf("dial %v in %s: %v", ebpfDst, netns, err)
-	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
-	if _, err := c.Write(make([]byte, n)); err != nil {
-		t.Fatalf("send %d bytes: %v", n, err)
-	}
-	_ = c.(*net.TCPConn).CloseWrite()
-	b, err := io.ReadAll(c)
-	if err != nil {
-		t.Fatalf("read the proxy's answer: %v", err)
-	}
-	var rec proxysim.Record
-	if err := json.Unmarshal(b, &rec); err != nil {
-		t.Fatalf("proxy's answer %q: %v", b, err)
-	}
+	rec := traffic.SendBulk(t, netns, ebpfDst, n)
 	if rec.Listener != proxysim.ListenerOutbound || rec.OrigDst != ebpfDst {
 		t.Fatalf("proxy saw listener %s, original destination %v; want %s, %v", rec.Listener, rec.OrigDst, proxysim.ListenerOutbound, ebpfDst)
 	}

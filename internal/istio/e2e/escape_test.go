@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -23,6 +22,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/meshcni/meshcni/internal/agenttest"
+	"github.com/meshcni/meshcni/internal/build/image"
 	"github.com/meshcni/meshcni/internal/demo"
 	"github.com/meshcni/meshcni/internal/istio"
 	"github.com/meshcni/meshcni/internal/proxysim"
@@ -300,40 +300,15 @@ func agentRestarts(p *corev1.Pod) int32 {
 	return n
 }
 
-// agentPID finds the process of the agent pod's agent container on the node: the
-// meshcni-agent process whose cgroup names the container's ID.
+// agentPID finds the process of the agent pod's agent container on the node.
 func agentPID(t *testing.T, p *corev1.Pod) int {
 	t.Helper()
-	var id string
-	for _, s := range p.Status.ContainerStatuses {
-		if s.Name == "agent" {
-			_, id, _ = strings.Cut(s.ContainerID, "://")
-		}
-	}
-	if id == "" {
-		t.Fatalf("agent pod %s: no agent container ID", p.Name)
-	}
-	entries, err := os.ReadDir("/proc")
+	pid, err := testbed.ContainerProcess(p, "agent", image.AgentCommand)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var pids []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		comm, err1 := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
-		cg, err2 := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
-		if err1 == nil && err2 == nil && strings.TrimSpace(string(comm)) == "meshcni-agent" && strings.Contains(string(cg), id) {
-			pids = append(pids, pid)
-		}
-	}
-	if len(pids) != 1 {
-		t.Fatalf("agent container %s: meshcni-agent processes %v, want one", id, pids)
-	}
-	t.Logf("agent pod %s: container %.12s, process %d", p.Name, id, pids[0])
-	return pids[0]
+	t.Logf("agent pod %s: process %d", p.Name, pid)
+	return pid
 }
 
 // removeMeshcni removes meshcni's entry from the conflist of the test bed's node that
