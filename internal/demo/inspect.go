@@ -93,7 +93,7 @@ func (r *runner) inspect(ctx context.Context) {
 		if name == MeshedPod {
 			r.rep.Inspect = ir
 			row.ProxyConns = r.proxyConns
-			row.Validation = validation(pod)
+			row.Validation = Validation(pod)
 			if row.Validation != "passed (exit 0)" {
 				r.fail("%s: %s init container %s", name, ValidationContainer, row.Validation)
 			}
@@ -109,7 +109,13 @@ func (r *runner) inspect(ctx context.Context) {
 	r.step("meshcnictl inspect of each pod")
 }
 
-func validation(pod *corev1.Pod) string {
+// ValidationPassed is Validation's result for an init container that passed on its
+// first run.
+const ValidationPassed = "passed (exit 0)"
+
+// Validation says how the pod's istio-validation init container ended: "missing",
+// "not finished", ValidationPassed, or "failed (exit N, M restarts)".
+func Validation(pod *corev1.Pod) string {
 	for _, s := range pod.Status.InitContainerStatuses {
 		if s.Name != ValidationContainer {
 			continue
@@ -122,7 +128,7 @@ func validation(pod *corev1.Pod) string {
 			return "not finished"
 		}
 		if t.ExitCode == 0 && s.RestartCount == 0 {
-			return "passed (exit 0)"
+			return ValidationPassed
 		}
 		return fmt.Sprintf("failed (exit %d, %d restarts)", t.ExitCode, s.RestartCount)
 	}

@@ -125,7 +125,7 @@ func (c *Cluster) Redirected(ctx context.Context, pod *corev1.Pod) error {
 		return fmt.Errorf("%s: phase %s, want Running", id, p.Status.Phase)
 	}
 	var problems []string
-	if v := Validation(p); v != ValidationPassed {
+	if v := demo.Validation(p); v != demo.ValidationPassed {
 		problems = append(problems, "init container "+demo.ValidationContainer+": "+v)
 	}
 	rep, err := c.Inspect(ctx, p)
@@ -142,29 +142,4 @@ func (c *Cluster) Redirected(ctx context.Context, pod *corev1.Pod) error {
 		return fmt.Errorf("%s not redirected: %w", id, err)
 	}
 	return nil
-}
-
-// ValidationPassed is Validation's result for an init container that passed on
-// its first run.
-const ValidationPassed = "passed (exit 0)"
-
-// Validation says how the pod's istio-validation init container ended.
-func Validation(pod *corev1.Pod) string {
-	for _, s := range pod.Status.InitContainerStatuses {
-		if s.Name != demo.ValidationContainer {
-			continue
-		}
-		t := s.State.Terminated
-		if t == nil {
-			t = s.LastTerminationState.Terminated
-		}
-		if t == nil {
-			return "not finished"
-		}
-		if t.ExitCode == 0 && s.RestartCount == 0 {
-			return ValidationPassed
-		}
-		return fmt.Sprintf("failed (exit %d, %d restarts)", t.ExitCode, s.RestartCount)
-	}
-	return "missing"
 }
