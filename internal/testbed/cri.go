@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -79,22 +80,50 @@ func (c *criClient) podNetns(ctx context.Context, podUID string) (string, error)
 }
 
 // removeAll stops and removes every pod sandbox (which runs CNI DEL, kills the
-// pods' processes through their shims and unmounts their network namespaces).
+// pods' processes through their shims and unmounts their network namespaces),
+// several at once.
 func (c *criClient) removeAll(ctx context.Context) error {
 	resp, err := c.rt.ListPodSandbox(ctx, &runtimeapi.ListPodSandboxRequest{})
 	if err != nil {
 		return fmt.Errorf("list sandboxes: %w", err)
 	}
-	var firstErr error
+	var (
+		mu       sync.Mutex
+		firstErr error
+		wg       sync.WaitGroup
+		slots    = make(chan struct{}, removeParallel)
+	)
 	for _, s := range resp.Items {
-		sctx, cancel := context.WithTimeout(ctx, 20*time.Second)
-		if _, err := c.rt.StopPodSandbox(sctx, &runtimeapi.StopPodSandboxRequest{PodSandboxId: s.Id}); err != nil && firstErr == nil {
-			firstErr = fmt.Errorf("stop sandbox %s (%s/%s): %w", s.Id, s.Metadata.GetNamespace(), s.Metadata.GetName(), err)
-		}
-		if _, err := c.rt.RemovePodSandbox(sctx, &runtimeapi.RemovePodSandboxRequest{PodSandboxId: s.Id}); err != nil && firstErr == nil {
-			firstErr = fmt.Errorf("remove sandbox %s: %w", s.Id, err)
-		}
-		cancel()
+		slots <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer func() { <-slots; wg.Done() }()
+			if err := c.remove(ctx, s); err != nil {
+				mu.Lock()
+				if firstErr == nil {
+					firstErr = err
+				}
+				mu.Unlock()
+			}
+		}()
 	}
+	wg.Wait()
 	return firstErr
+}
+
+// removeParallel is how many sandboxes removeAll removes at once.
+const removeParallel = 8
+
+// remove stops and removes one pod sandbox.
+func (c *criClient) remove(ctx context.Context, s *runtimeapi.PodSandbox) error {
+	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	var stopErr error
+	if _, err := c.rt.StopPodSandbox(ctx, &runtimeapi.StopPodSandboxRequest{PodSandboxId: s.Id}); err != nil {
+		stopErr = fmt.Errorf("stop sandbox %s (%s/%s): %w", s.Id, s.Metadata.GetNamespace(), s.Metadata.GetName(), err)
+	}
+	if _, err := c.rt.RemovePodSandbox(ctx, &runtimeapi.RemovePodSandboxRequest{PodSandboxId: s.Id}); err != nil && stopErr == nil {
+		return fmt.Errorf("remove sandbox %s: %w", s.Id, err)
+	}
+	return stopErr
 }

@@ -13,6 +13,11 @@ import (
 	"github.com/meshcni/meshcni/internal/testutil"
 )
 
+// SharedNodeGrace is the node monitor grace period of a multi-node test bed that
+// SharedNodes starts: two missed node-lease renewals (every 10 s), not Kubernetes'
+// default 50 s.
+const SharedNodeGrace = 20 * time.Second
+
 var (
 	sharedMu   sync.Mutex
 	sharedTB   *Testbed
@@ -75,7 +80,8 @@ func Shared(t testing.TB) *Testbed {
 // SharedNodes is Shared with at least nodes nodes: a test bed it starts runs
 // Options.Nodes = nodes; to one already running (this binary's, or attached)
 // it adds the missing extra nodes (NodeName-2, NodeName-3, …), which then stay
-// until the test bed stops.
+// until the test bed stops. A multi-node test bed it starts marks a node NotReady
+// after SharedNodeGrace without a heartbeat (a dead node's pods move in test time).
 func SharedNodes(t testing.TB, nodes int) *Testbed {
 	t.Helper()
 	requireBuilt(t)
@@ -100,7 +106,11 @@ func SharedNodes(t testing.TB, nodes int) *Testbed {
 		sharedTB = tb
 		return ensureNodes(t, tb, nodes)
 	}
-	tb, err := Start(ctx, Options{Nodes: nodes, Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))})
+	opts := Options{Nodes: nodes, Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))}
+	if nodes > 1 {
+		opts.NodeMonitorGracePeriod = SharedNodeGrace
+	}
+	tb, err := Start(ctx, opts)
 	if err != nil {
 		sharedFail = err
 		t.Fatalf("start test bed: %v", err)

@@ -63,6 +63,10 @@ type Options struct {
 	// Nodes-1 extra nodes named NodeName-2, NodeName-3, …, started in parallel
 	// once node 1 is Ready. 0 means 1.
 	Nodes int
+	// NodeMonitorGracePeriod is the controller-manager's --node-monitor-grace-period:
+	// how long a node may go without a heartbeat before it is NotReady (and its pods,
+	// through their tolerations, evicted). Zero keeps Kubernetes' default (50 s).
+	NodeMonitorGracePeriod time.Duration
 }
 
 // ErrRunning is returned by Start when another process runs a shared test bed
@@ -82,16 +86,18 @@ type Testbed struct {
 	// other users of the test bed excluded).
 	StartupTime time.Duration
 
-	log      *slog.Logger
-	owned    bool
-	shared   bool
-	mu       sync.Mutex // guards comps and nodes
-	comps    []*component
-	nodes    []*Node // extra nodes, in order of joining
-	control  io.Closer
-	lock     *os.File
-	stopOnce sync.Once
-	stopErr  error
+	log    *slog.Logger
+	owned  bool
+	shared bool
+	// nodeGrace is Options.NodeMonitorGracePeriod.
+	nodeGrace time.Duration
+	mu        sync.Mutex // guards comps and nodes
+	comps     []*component
+	nodes     []*Node // extra nodes, in order of joining
+	control   io.Closer
+	lock      *os.File
+	stopOnce  sync.Once
+	stopErr   error
 }
 
 // state is persisted in RunDir/state.json while a test bed runs.
@@ -190,7 +196,7 @@ func Start(ctx context.Context, opts Options) (tb *Testbed, err error) {
 	if err != nil {
 		return nil, err
 	}
-	tb = &Testbed{Mode: mode, Binaries: bins, log: log, owned: true, lock: lock, shared: opts.Shared}
+	tb = &Testbed{Mode: mode, Binaries: bins, log: log, owned: true, lock: lock, shared: opts.Shared, nodeGrace: opts.NodeMonitorGracePeriod}
 	began := time.Now()
 	defer func() {
 		if err != nil {
@@ -412,18 +418,21 @@ func (tb *Testbed) start(ctx context.Context, opts Options) error {
 	// RBAC bootstrap done: they exit when they cannot read their configuration).
 	var cm, sched *component
 	if tb.Mode == ModeFull {
-		cm, err = startComponent("kube-controller-manager", tb.Binaries.Path("kube-controller-manager"),
-			"--kubeconfig="+filepath.Join(BaseDir, "controller-manager.kubeconfig"),
-			"--authentication-kubeconfig="+filepath.Join(BaseDir, "controller-manager.kubeconfig"),
-			"--authorization-kubeconfig="+filepath.Join(BaseDir, "controller-manager.kubeconfig"),
-			"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(ControllerManagerPort),
-			"--cert-dir="+filepath.Join(BaseDir, "controller-manager"),
+		cmArgs := []string{"--kubeconfig=" + filepath.Join(BaseDir, "controller-manager.kubeconfig"),
+			"--authentication-kubeconfig=" + filepath.Join(BaseDir, "controller-manager.kubeconfig"),
+			"--authorization-kubeconfig=" + filepath.Join(BaseDir, "controller-manager.kubeconfig"),
+			"--bind-address=127.0.0.1", "--secure-port=" + strconv.Itoa(ControllerManagerPort),
+			"--cert-dir=" + filepath.Join(BaseDir, "controller-manager"),
 			"--leader-elect=false", "--use-service-account-credentials=false",
-			"--service-account-private-key-file="+pkiPath("sa.key"),
-			"--root-ca-file="+pkiPath("ca.crt"),
-			"--cluster-signing-cert-file="+pkiPath("ca.crt"), "--cluster-signing-key-file="+pkiPath("ca.key"),
+			"--service-account-private-key-file=" + pkiPath("sa.key"),
+			"--root-ca-file=" + pkiPath("ca.crt"),
+			"--cluster-signing-cert-file=" + pkiPath("ca.crt"), "--cluster-signing-key-file=" + pkiPath("ca.key"),
 			"--cluster-name=meshcni-testbed", "--allocate-node-cidrs=false",
-			"--service-cluster-ip-range="+ServiceCIDR, "--v=1")
+			"--service-cluster-ip-range=" + ServiceCIDR, "--v=1"}
+		if tb.nodeGrace > 0 {
+			cmArgs = append(cmArgs, "--node-monitor-grace-period="+tb.nodeGrace.String())
+		}
+		cm, err = startComponent("kube-controller-manager", tb.Binaries.Path("kube-controller-manager"), cmArgs...)
 		if err != nil {
 			return err
 		}
@@ -701,11 +710,13 @@ func (tb *Testbed) Stop(ctx context.Context) error {
 			_ = tb.control.Close()
 		}
 		errs = append(errs, tb.stopNodes(ctx))
+		var wg sync.WaitGroup
 		for _, n := range []string{"kube-controller-manager", "kube-scheduler", "kubelet"} {
 			if c := tb.comp(n); c != nil {
-				c.stop(10 * time.Second)
+				wg.Go(func() { c.stop(10 * time.Second) })
 			}
 		}
+		wg.Wait()
 		if c := tb.comp("containerd"); c != nil && !c.exited() {
 			if err := removePods(ctx, tb.log); err != nil {
 				errs = append(errs, err)
