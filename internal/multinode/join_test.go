@@ -124,6 +124,17 @@ func TestNodeJoin(t *testing.T) {
 		t.Fatal(err)
 	}
 	stopPoll()
+	// The node lifecycle controller may have put its own node.kubernetes.io/not-ready
+	// NoExecute taint on the node before it turned Ready; it lifts it on its next
+	// pass (every 5 s). The node is free only then.
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(pollEvery) {
+		j.mu.Lock()
+		free := !j.free.IsZero()
+		j.mu.Unlock()
+		if free {
+			break
+		}
+	}
 	if err := <-scaled; err != nil {
 		t.Fatalf("scale the Deployment at the join: %v", err)
 	}
