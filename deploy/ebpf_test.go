@@ -186,34 +186,15 @@ func checkEBPFAgent(t *testing.T) {
 // agentCapEff is the CapEff of the one meshcni-agent process on the node.
 func agentCapEff(t *testing.T) uint64 {
 	t.Helper()
-	procs, err := filepath.Glob("/proc/[0-9]*/comm")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var effs []uint64
-	for _, p := range procs {
-		comm, err := os.ReadFile(p)
-		if err != nil || strings.TrimSpace(string(comm)) != "meshcni-agent" {
-			continue
-		}
-		st, err := os.ReadFile(filepath.Join(filepath.Dir(p), "status"))
-		if err != nil {
-			continue
-		}
-		for _, l := range strings.Split(string(st), "\n") {
-			if v, ok := strings.CutPrefix(l, "CapEff:"); ok {
-				e, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
-				if err != nil {
-					t.Fatalf("%s: CapEff %q: %v", p, v, err)
-				}
-				effs = append(effs, e)
-			}
-		}
-	}
+	effs := agentStatus(t, "CapEff:")
 	if len(effs) != 1 {
 		t.Fatalf("%d meshcni-agent processes on the node, want 1", len(effs))
 	}
-	return effs[0]
+	e, err := strconv.ParseUint(effs[0], 16, 64)
+	if err != nil {
+		t.Fatalf("meshcni-agent CapEff %q: %v", effs[0], err)
+	}
+	return e
 }
 
 // agentReadyz is the body of the agent's /readyz on the node's IP (its eBPF line

@@ -224,9 +224,9 @@ func deleteStream(ctx context.Context, t *testing.T, tb *testbed.Testbed) {
 	}
 }
 
-// agentSeccomp returns the Seccomp line of /proc/PID/status of every meshcni-agent
-// process on the node (2: a filter, as RuntimeDefault installs).
-func agentSeccomp(t *testing.T) []string {
+// agentStatus returns the value of field (e.g. "Seccomp:", "CapEff:") in
+// /proc/PID/status of every meshcni-agent process on the node.
+func agentStatus(t *testing.T, field string) []string {
 	t.Helper()
 	procs, err := filepath.Glob("/proc/[0-9]*/comm")
 	if err != nil {
@@ -243,10 +243,14 @@ func agentSeccomp(t *testing.T) []string {
 			continue
 		}
 		for _, l := range strings.Split(string(st), "\n") {
-			if v, ok := strings.CutPrefix(l, "Seccomp:"); ok {
+			if v, ok := strings.CutPrefix(l, field); ok {
 				out = append(out, strings.TrimSpace(v))
 			}
 		}
 	}
 	return out
 }
+
+// agentSeccomp returns the Seccomp line of /proc/PID/status of every meshcni-agent
+// process on the node (2: a filter, as RuntimeDefault installs).
+func agentSeccomp(t *testing.T) []string { return agentStatus(t, "Seccomp:") }

@@ -30,6 +30,7 @@ import (
 	"github.com/meshcni/meshcni/internal/multinode"
 	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/engine"
 )
@@ -355,19 +356,7 @@ func replaceFile(path string, data []byte) error {
 // passes (fatal, with f's last error).
 func pollUntil(ctx context.Context, t *testing.T, d time.Duration, what string, f func() error) time.Time {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(ctx, d)
-	defer cancel()
-	for {
-		err := f()
-		if err == nil {
-			return time.Now()
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("%s: not within %v: %v", what, d, err)
-		case <-time.After(pollEvery):
-		}
-	}
+	return testutil.PollUntil(ctx, t, d, pollEvery, what, f)
 }
 
 // getPod reads a pod.

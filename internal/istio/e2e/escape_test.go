@@ -27,6 +27,7 @@ import (
 	"github.com/meshcni/meshcni/internal/istio"
 	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/audit"
 	"github.com/meshcni/meshcni/pkg/cniconf"
@@ -482,17 +483,5 @@ func scrapeValue(t *testing.T, url, name string, labels map[string]string) float
 // (fatal, with f's last error).
 func waitUntil(ctx context.Context, t *testing.T, d time.Duration, what string, f func() error) time.Time {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(ctx, d)
-	defer cancel()
-	for {
-		err := f()
-		if err == nil {
-			return time.Now()
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("%s: not within %v: %v", what, d, err)
-		case <-time.After(100 * time.Millisecond):
-		}
-	}
+	return testutil.PollUntil(ctx, t, d, 100*time.Millisecond, what, f)
 }
