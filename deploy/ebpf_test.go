@@ -68,12 +68,9 @@ func TestHelmEBPF(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	archive, work := filepath.Join(t.TempDir(), "meshcni.tar"), t.TempDir()
-	if _, err := image.Build(ctx, image.Options{RepoRoot: root, Hub: image.DefaultHub, Tag: image.DefaultTag, Out: archive, WorkDir: work}); err != nil {
-		t.Fatalf("build the image: %v", err)
-	}
-	meshcnictl := filepath.Join(work, strings.ReplaceAll(image.HostArch().String(), "/", "-"), "meshcnictl")
-	tb, err := testbed.Start(ctx, testbed.Options{ImageArchives: []string{archive}})
+	img := builtImage(ctx, t, root)
+	meshcnictl := filepath.Join(root, "bin", "images", "build", strings.ReplaceAll(image.HostArch().String(), "/", "-"), "meshcnictl")
+	tb, err := testbed.Start(ctx, testbed.Options{ImageArchives: []string{img.Out}})
 	if errors.Is(err, testbed.ErrRunning) {
 		testutil.Missing(t, "a shared test bed is running (hack/testbed up): stop it to run this test")
 	}
