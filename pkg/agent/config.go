@@ -92,6 +92,7 @@ type Config struct {
 	EBPFNamespaces       []string
 	EBPFForceUnavailable string
 	EBPFPinDir           string
+	EBPFMountBPFFS       bool
 	EBPFCgroup2          string
 }
 

@@ -37,7 +37,8 @@ func (c *Config) ebpfFlags(fs *pflag.FlagSet) func() error {
 	fs.StringVar(&def, "ebpf-default", string(podspec.AccelOff), "acceleration of a meshed pod without the meshcni.io/ebpf-acceleration annotation: off, to-proxy (what the app sends to its proxy), both (also what the proxy sends to the app)")
 	fs.StringVar(&namespaces, "ebpf-namespaces", "", "comma-separated namespaces whose meshed pods without the annotation get at least to-proxy")
 	fs.StringVar(&c.EBPFForceUnavailable, "ebpf-force-unavailable", "", "make eBPF feature detection fail with this reason, as on a node without the kernel features (tests the fallback)")
-	fs.StringVar(&c.EBPFPinDir, "ebpf-pin-dir", sockmap.DefaultPinDir, "bpffs directory of the pinned programs and maps")
+	fs.StringVar(&c.EBPFPinDir, "ebpf-pin-dir", sockmap.DefaultPinDir, "bpffs directory of the pinned programs and maps; not on a bpffs, the acceleration is unavailable")
+	fs.BoolVar(&c.EBPFMountBPFFS, "ebpf-mount-bpffs", false, "mount a bpffs at "+sockmap.DefaultBPFFS+" when the pin directory is under it and none is mounted, as systemd does at boot: only for an agent running on the host, never in a container (a bpffs mounted there is the container's own and the node does not see the pins)")
 	fs.StringVar(&c.EBPFCgroup2, "ebpf-cgroup2", "", "the host's cgroup2 root (in a container: the host's mounted in, as the chart does), which the sockops program attaches to; a cgroup v1 hierarchy with cgroup2 at its unified/ means that unified/; empty: the root of the agent's cgroup2 mount, or one it mounts")
 	return func() error {
 		switch m := EBPFMode(mode); m {
@@ -99,7 +100,7 @@ type EBPF struct {
 // error: the agent runs on without it.
 func newEBPF(cfg *Config, log *slog.Logger) *EBPF {
 	e := &EBPF{Default: cfg.EBPFDefault, Namespaces: cfg.EBPFNamespaces, Log: log,
-		opts: sockmap.Options{PinDir: cfg.EBPFPinDir, Cgroup2: cfg.EBPFCgroup2, ForceUnavailable: cfg.EBPFForceUnavailable}, pods: map[string]ebpfPod{}}
+		opts: sockmap.Options{PinDir: cfg.EBPFPinDir, Cgroup2: cfg.EBPFCgroup2, ForceUnavailable: cfg.EBPFForceUnavailable, MountBPFFS: cfg.EBPFMountBPFFS}, pods: map[string]ebpfPod{}}
 	if cfg.EBPF != EBPFAuto {
 		e.reason = "off (--ebpf-acceleration off)"
 		e.unloadLeftover()
