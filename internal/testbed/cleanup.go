@@ -59,6 +59,9 @@ func cleanup(ctx context.Context, log *slog.Logger) error {
 	if err := removeHostBPFFS(); err != nil {
 		errs = append(errs, err)
 	}
+	if err := restoreHostSysctls(); err != nil {
+		errs = append(errs, err)
+	}
 	for _, l := range nodeLinks() {
 		if err := removeLink(l); err != nil {
 			errs = append(errs, err)

@@ -370,6 +370,9 @@ func (tb *Testbed) start(ctx context.Context, opts Options) error {
 		return err
 	}
 	if tb.Mode == ModeFull {
+		if err := recordHostSysctls(); err != nil {
+			return err
+		}
 		if err := ensureHostBPFFS(); err != nil {
 			return err
 		}

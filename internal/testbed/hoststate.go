@@ -1,6 +1,8 @@
 package testbed
 
 import (
+	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -8,6 +10,66 @@ import (
 
 	"golang.org/x/sys/unix"
 )
+
+// hostSysctls are the host's settings that running pods change (the bridge CNI
+// plugin turns forwarding on, as it does on a node): Start records them and
+// cleanup puts them back, so a machine is left as the test bed found it.
+var hostSysctls = []string{
+	"/proc/sys/net/ipv4/ip_forward",
+	"/proc/sys/net/ipv6/conf/all/forwarding",
+}
+
+// sysctlsFile holds the values of hostSysctls as Start found them.
+var sysctlsFile = filepath.Join(BaseDir, "host-sysctls.json")
+
+// recordHostSysctls writes hostSysctls' values to sysctlsFile, unless a crashed
+// test bed's record is still there (cleanup restores from it first).
+func recordHostSysctls() error {
+	vals := map[string]string{}
+	for _, p := range hostSysctls {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			continue // e.g. IPv6 disabled: nothing to restore
+		}
+		vals[p] = string(bytes.TrimSpace(b))
+	}
+	b, err := json.Marshal(vals)
+	if err != nil {
+		return err
+	}
+	tmp := sysctlsFile + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o644); err != nil {
+		return fmt.Errorf("record the host's sysctls: %w", err)
+	}
+	return os.Rename(tmp, sysctlsFile)
+}
+
+// restoreHostSysctls puts back what recordHostSysctls recorded.
+func restoreHostSysctls() error {
+	b, err := os.ReadFile(sysctlsFile)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	var vals map[string]string
+	if err := json.Unmarshal(b, &vals); err != nil {
+		return fmt.Errorf("%s: %w", sysctlsFile, err)
+	}
+	var errs []error
+	for _, p := range hostSysctls { // only the known files, whatever the record says
+		if v, ok := vals[p]; ok {
+			if err := os.WriteFile(p, []byte(v), 0o644); err != nil {
+				errs = append(errs, fmt.Errorf("restore %s=%s: %w", p, v, err))
+			}
+		}
+	}
+	if len(errs) == 0 {
+		errs = append(errs, os.Remove(sysctlsFile))
+	}
+	return errors.Join(errs...)
+}
 
 // HostBPFFS is where a node has its bpffs: systemd mounts one there at boot, and
 // eBPF programs that must outlive their loader (meshcni's acceleration) pin there.
