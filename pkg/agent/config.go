@@ -87,13 +87,14 @@ type Config struct {
 	AuditFollowAnnotations bool
 
 	// eBPF acceleration (flags in ebpf.go).
-	EBPF                 EBPFMode
-	EBPFDefault          podspec.Acceleration
-	EBPFNamespaces       []string
-	EBPFForceUnavailable string
-	EBPFPinDir           string
-	EBPFMountBPFFS       bool
-	EBPFCgroup2          string
+	EBPF                  EBPFMode
+	EBPFDefault           podspec.Acceleration
+	EBPFNamespaces        []string
+	EBPFAllowedNamespaces []string
+	EBPFForceUnavailable  string
+	EBPFPinDir            string
+	EBPFMountBPFFS        bool
+	EBPFCgroup2           string
 }
 
 // DefaultPluginServiceAccount is the plugin's ServiceAccount of the chart's release

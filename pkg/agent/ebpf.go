@@ -32,10 +32,11 @@ const (
 
 // ebpfFlags defines the eBPF acceleration flags; the returned func parses them.
 func (c *Config) ebpfFlags(fs *pflag.FlagSet) func() error {
-	var mode, def, namespaces string
+	var mode, def, namespaces, allowed string
 	fs.StringVar(&mode, "ebpf-acceleration", string(EBPFOff), "eBPF acceleration of the app ↔ proxy hop inside meshed pods (docs/ebpf.md): off, or auto (load when the node's kernel can run it; pods opt in by meshcni.io/ebpf-acceleration, --ebpf-default or --ebpf-namespaces)")
 	fs.StringVar(&def, "ebpf-default", string(podspec.AccelOff), "acceleration of a meshed pod without the meshcni.io/ebpf-acceleration annotation: off, to-proxy (what the app sends to its proxy), both (also what the proxy sends to the app)")
 	fs.StringVar(&namespaces, "ebpf-namespaces", "", "comma-separated namespaces whose meshed pods without the annotation get at least to-proxy")
+	fs.StringVar(&allowed, "ebpf-allowed-namespaces", "", "comma-separated namespaces outside which no pod is accelerated, whatever its meshcni.io/ebpf-acceleration annotation (the operator's fence; a refused annotation is logged); empty: every namespace")
 	fs.StringVar(&c.EBPFForceUnavailable, "ebpf-force-unavailable", "", "make eBPF feature detection fail with this reason, as on a node without the kernel features (tests the fallback)")
 	fs.StringVar(&c.EBPFPinDir, "ebpf-pin-dir", sockmap.DefaultPinDir, "bpffs directory of the pinned programs and maps; not on a bpffs, the acceleration is unavailable")
 	fs.BoolVar(&c.EBPFMountBPFFS, "ebpf-mount-bpffs", false, "mount a bpffs at "+sockmap.DefaultBPFFS+" when the pin directory is under it and none is mounted, as systemd does at boot: only for an agent running on the host, never in a container (a bpffs mounted there is the container's own and the node does not see the pins)")
@@ -52,14 +53,21 @@ func (c *Config) ebpfFlags(fs *pflag.FlagSet) func() error {
 			return err
 		}
 		c.EBPFDefault = a
-		c.EBPFNamespaces = []string{}
-		for _, ns := range strings.Split(namespaces, ",") {
-			if ns = strings.TrimSpace(ns); ns != "" {
-				c.EBPFNamespaces = append(c.EBPFNamespaces, ns)
-			}
-		}
+		c.EBPFNamespaces = splitList(namespaces)
+		c.EBPFAllowedNamespaces = splitList(allowed)
 		return nil
 	}
+}
+
+// splitList is a comma-separated list's non-empty items, spaces trimmed.
+func splitList(s string) []string {
+	out := []string{}
+	for _, v := range strings.Split(s, ",") {
+		if v = strings.TrimSpace(v); v != "" {
+			out = append(out, v)
+		}
+	}
+	return out
 }
 
 // accelerator is what the agent uses of a loaded *sockmap.Accel.
@@ -84,7 +92,10 @@ type ebpfPod struct {
 type EBPF struct {
 	Default    podspec.Acceleration
 	Namespaces []string
-	Log        *slog.Logger
+	// Allowed fences acceleration to these namespaces (empty: all), annotations
+	// included: the operator's policy wins over a pod's opt-in.
+	Allowed []string
+	Log     *slog.Logger
 
 	opts   sockmap.Options
 	accel  accelerator // nil: unavailable
@@ -99,7 +110,7 @@ type EBPF struct {
 // newEBPF loads the acceleration as cfg says; a node that cannot run it is not an
 // error: the agent runs on without it.
 func newEBPF(cfg *Config, log *slog.Logger) *EBPF {
-	e := &EBPF{Default: cfg.EBPFDefault, Namespaces: cfg.EBPFNamespaces, Log: log,
+	e := &EBPF{Default: cfg.EBPFDefault, Namespaces: cfg.EBPFNamespaces, Allowed: cfg.EBPFAllowedNamespaces, Log: log,
 		opts: sockmap.Options{PinDir: cfg.EBPFPinDir, Cgroup2: cfg.EBPFCgroup2, ForceUnavailable: cfg.EBPFForceUnavailable, MountBPFFS: cfg.EBPFMountBPFFS}, pods: map[string]ebpfPod{}}
 	if cfg.EBPF != EBPFAuto {
 		e.reason = "off (--ebpf-acceleration off)"
@@ -146,9 +157,12 @@ func (e *EBPF) Detail() string {
 }
 
 // Mode is the acceleration of a pod in namespace ns whose annotation is a (parsed
-// by the plugin; "" without one): the annotation, else at least to-proxy in
-// Namespaces, else Default.
+// by the plugin; "" without one): off outside Allowed (when set), else the
+// annotation, else at least to-proxy in Namespaces, else Default.
 func (e *EBPF) Mode(ns string, a podspec.Acceleration) podspec.Acceleration {
+	if len(e.Allowed) > 0 && !slices.Contains(e.Allowed, ns) {
+		return podspec.AccelOff
+	}
 	if a != podspec.AccelDefault {
 		return a
 	}
@@ -185,6 +199,9 @@ func (e *EBPF) enable(r *agentsock.CommandResult) {
 	}
 	mode := e.Mode(r.Pod.Namespace, a)
 	if !mode.On() {
+		if a.On() {
+			log.Warn("eBPF acceleration refused: the pod's annotation opts in outside --ebpf-allowed-namespaces", "annotation", a, "allowed_namespaces", e.Allowed)
+		}
 		return
 	}
 	if err := e.accel.Enable(r.EBPF.NetnsCookie, sockmap.Pod{ProxyUID: r.EBPF.ProxyUID, ToApp: mode == podspec.AccelBoth}); err != nil {

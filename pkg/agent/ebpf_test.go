@@ -64,6 +64,37 @@ func TestEBPFMode(t *testing.T) {
 	}
 }
 
+// TestEBPFAllowedNamespaces: the operator's fence wins over a pod's annotation and
+// over the defaults; inside it, everything is as without a fence.
+func TestEBPFAllowedNamespaces(t *testing.T) {
+	for _, tt := range []struct {
+		def  podspec.Acceleration
+		ns   string
+		ann  podspec.Acceleration
+		want podspec.Acceleration
+	}{
+		{podspec.AccelOff, "app", podspec.AccelBoth, podspec.AccelOff},
+		{podspec.AccelOff, "app", podspec.AccelToProxy, podspec.AccelOff},
+		{podspec.AccelBoth, "app", podspec.AccelDefault, podspec.AccelOff},
+		{podspec.AccelOff, "fast", podspec.AccelBoth, podspec.AccelBoth},
+		{podspec.AccelOff, "fast", podspec.AccelDefault, podspec.AccelToProxy},
+		{podspec.AccelOff, "other", podspec.AccelDefault, podspec.AccelOff},
+		{podspec.AccelOff, "other", podspec.AccelToProxy, podspec.AccelToProxy},
+	} {
+		e, _ := newFakeEBPF(tt.def, "fast")
+		e.Allowed = []string{"fast", "other"}
+		if got := e.Mode(tt.ns, tt.ann); got != tt.want {
+			t.Errorf("allowed fast,other; default %q, namespace %s, annotation %q: %q, want %q", tt.def, tt.ns, tt.ann, got, tt.want)
+		}
+	}
+	e, f := newFakeEBPF(podspec.AccelOff)
+	e.Allowed = []string{"fast"}
+	e.OnCommand(add("s1", "app", "web", "both", 11))
+	if len(f.allow) != 0 {
+		t.Errorf("annotated pod outside the allowed namespaces enabled: %v", f.allow)
+	}
+}
+
 // TestEBPFEnableDisable: an opted-in pod's ADD puts its cookie on the allow-list
 // with its proxy UID and direction; a pod that did not opt in, a failed ADD and a
 // report without details do not; the sandbox's DEL and the pod's deletion take it
