@@ -36,18 +36,22 @@ type liveTable struct {
 	chains []liveChain
 }
 
-// readLive reads meshcni's tables, chains, rules and anonymous sets.
+// readLive reads meshcni's tables, chains, rules and anonymous sets. Its tables
+// are those of the inet chains listed (meshcni writes no table without chains; an
+// empty one is found and replaced by Apply's table listing, not read back here).
 func readLive(c *gnft.Conn) ([]liveTable, error) {
-	tables, err := ourTables(c)
-	if err != nil {
-		return nil, err
-	}
-	if len(tables) == 0 {
-		return nil, nil
-	}
 	chains, err := c.ListChainsOfTableFamily(gnft.TableFamilyINet)
 	if err != nil {
 		return nil, fmt.Errorf("list inet chains: %w", err)
+	}
+	var tables []*gnft.Table
+	for _, name := range nft.Tables {
+		for _, ch := range chains {
+			if ch.Table.Name == nft.TableName(name) {
+				tables = append(tables, ch.Table)
+				break
+			}
+		}
 	}
 	var out []liveTable
 	for _, t := range tables {
