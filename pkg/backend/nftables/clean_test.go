@@ -105,7 +105,7 @@ func TestDeleteTablesGone(t *testing.T) {
 }
 
 // addForeignTable creates a table (with one regular chain) that is not meshcni's.
-func addForeignTable(t *testing.T, netns string, fam gnft.TableFamily, name, chain string) {
+func addForeignTable(t testing.TB, netns string, fam gnft.TableFamily, name, chain string) {
 	t.Helper()
 	conn, closeConn, err := nftables.Dial(netns, nil)
 	if err != nil {
