@@ -10,7 +10,8 @@ import (
 // json.Marshal(&Message{V: Version, Kind: KindCommand, Cmd: r}) and a newline,
 // written without encoding/json's reflection, which in the plugin's fresh process
 // would build the encoders of Message's types at every start for the one
-// message every CNI command sends.
+// message every CNI command sends (BenchmarkCommandLine: ≈ 13 µs against ≈ 200 µs
+// cold; docs/performance.md).
 func appendCommandLine(b []byte, r *CommandResult) []byte {
 	b = append(b, `{"v":`...)
 	b = strconv.AppendInt(b, Version, 10)

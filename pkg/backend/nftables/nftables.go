@@ -19,10 +19,12 @@
 // A netns path "" means the caller's current network namespace. Apply, Check and
 // Live enter the namespace by passing its file descriptor to the netlink socket
 // (the calling thread never switches namespace); Clean opens its socket there
-// (netnsutil.Do) and lists and deletes over internal/nl, as the engine's Clean
+// (netnsutil.Do) and lists and deletes over pkg/netlink, as the engine's Clean
 // (backend auto) does with the same CleanTables.
 //
-// Apply lists meshcni's tables, then sends one batch, committed by the kernel as one
+// Apply takes the namespace's table listing from its caller (Backend.Listed: the
+// engine's auto probe has just made it) or lists the tables over pkg/netlink, then
+// sends one batch, committed by the kernel as one
 // transaction: each of the three tables that is present is added (so the delete cannot
 // fail) and deleted (so no stale chain or rule survives); the tables the ruleset needs
 // are created exclusively with their chains, anonymous sets and rules. On any error
