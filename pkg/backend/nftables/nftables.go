@@ -195,7 +195,9 @@ func (b *Backend) Apply(ctx context.Context, netnsPath string, rs *rules.Ruleset
 	}
 	defer closeConn()
 	listed, haveListed := b.Listed, b.Listed != nil
-	b.Listed = nil // the listing serves one batch
+	if haveListed {
+		b.Listed = nil // the listing serves one batch (a Backend without one is never written to)
+	}
 	nrules := 0
 	for attempt := 1; ; attempt++ {
 		if !haveListed {
