@@ -7,7 +7,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/meshcni/meshcni/pkg/netlink"
-	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/rules/nft"
 )
 
@@ -52,13 +51,9 @@ func (b *Backend) Clean(ctx context.Context, netnsPath string) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	var c *netlink.Conn
-	err := netnsutil.Do(netnsPath, func() (err error) {
-		c, err = netlink.Open(unix.NETLINK_NETFILTER)
-		return err
-	})
+	c, err := netlink.OpenIn(netnsPath, unix.NETLINK_NETFILTER)
 	if err != nil {
-		return fmt.Errorf("nftables clean: netlink in netns %q: %w", netnsPath, err)
+		return fmt.Errorf("nftables clean: %w", err)
 	}
 	defer c.Close()
 	if b.OnSocket != nil {
