@@ -83,7 +83,7 @@ func (a *Agent) AddAudit(k *Kube) error {
 		InitContainer:     cfg.RepairInitContainer,
 		Applied:           a.Sandboxes,
 		Pods:              a.Pods,
-		Netns:             &podnetns.Finder{NetnsDirs: cfg.RepairNetnsDirs},
+		Netns:             &podnetns.Locator{Records: a.Sandboxes},
 		Client:            k.Client,
 		Events:            k.Events,
 		ReadyToDelete:     a.Guard.Ready,

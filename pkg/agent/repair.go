@@ -133,7 +133,7 @@ func (a *Agent) AddRepair(k *Kube) error {
 		Client:        k.Client,
 		Events:        k.Events,
 		Pods:          a.Pods,
-		Netns:         &podnetns.Finder{NetnsDirs: cfg.RepairNetnsDirs},
+		Netns:         &podnetns.Locator{Records: a.Sandboxes},
 		ReadyToDelete: a.Guard.Ready,
 		Metrics:       m,
 		Log:           a.Log.With("component", "repair"),

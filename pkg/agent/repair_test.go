@@ -139,8 +139,8 @@ func TestAddRepair(t *testing.T) {
 				if added != 1 || a.runnables[len(a.runnables)-1].Name() != "repair" {
 					t.Fatalf("runnables added: %d", added)
 				}
-				if c, err := testutil.GatherAndCount(a.Metrics.Registry, "meshcni_repairs_total"); err != nil || c != 2 {
-					t.Fatalf("meshcni_repairs_total series %d (%v), want success and error of action repair", c, err)
+				if c, err := testutil.GatherAndCount(a.Metrics.Registry, "meshcni_repairs_total"); err != nil || c != 3 {
+					t.Fatalf("meshcni_repairs_total series %d (%v), want success, error and refused of action repair", c, err)
 				}
 				return
 			}

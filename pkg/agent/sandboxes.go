@@ -361,3 +361,59 @@ func (s *Sandboxes) enabled(id string, p ebpfPod, mode podspec.Acceleration) {
 		s.Log.Warn("per-sandbox state: record the eBPF netns cookie", "pod_namespace", p.namespace, "pod_name", p.name, "err", err)
 	}
 }
+
+// PodSandbox implements podnetns.Records: the pod's newest recorded sandbox.
+func (s *Sandboxes) PodSandbox(podUID string) (podnetns.Sandbox, bool) {
+	st := s.get()
+	if st == nil || podUID == "" {
+		return podnetns.Sandbox{}, false
+	}
+	var best sandboxstate.Entry
+	found := false
+	for _, e := range st.Select(func(e *sandboxstate.Entry) bool { return e.UID == podUID }) {
+		if !found || e.Updated.After(best.Updated) {
+			best, found = e, true
+		}
+	}
+	return locatable(best), found
+}
+
+// Holders implements podnetns.Records: the sandboxes recorded with that netns.
+func (s *Sandboxes) Holders(dev, inode uint64) []podnetns.Sandbox {
+	st := s.get()
+	if st == nil {
+		return nil
+	}
+	var out []podnetns.Sandbox
+	for _, e := range st.Select(func(e *sandboxstate.Entry) bool {
+		return e.Netns != nil && e.Netns.Dev == dev && e.Netns.Inode == inode
+	}) {
+		out = append(out, locatable(e))
+	}
+	return out
+}
+
+// Decided is what the ADD of the pod's newest recorded sandbox decided ("":
+// no record says).
+func (s *Sandboxes) Decided(pod *corev1.Pod) (sandboxstate.Decision, string) {
+	st := s.get()
+	if st == nil {
+		return "", ""
+	}
+	var best sandboxstate.Entry
+	found := false
+	for _, e := range st.Select(func(e *sandboxstate.Entry) bool { return e.UID == string(pod.UID) && e.Decision != "" }) {
+		if !found || e.Updated.After(best.Updated) {
+			best, found = e, true
+		}
+	}
+	return best.Decision, best.Reason
+}
+
+func locatable(e sandboxstate.Entry) podnetns.Sandbox {
+	sb := podnetns.Sandbox{ID: e.ID, PodUID: e.UID}
+	if n := e.Netns; n != nil {
+		sb.Path, sb.Netns = n.Path, podnetns.Identity{Dev: n.Dev, Inode: n.Inode, Cookie: n.Cookie}
+	}
+	return sb
+}

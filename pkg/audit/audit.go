@@ -28,6 +28,7 @@ const (
 	EventEscaped            = "MeshcniEscapedPod"         // no redirect, no validation init container
 	EventAnnotationsChanged = "MeshcniAnnotationsChanged" // annotations changed on a running pod
 	EventFailed             = "MeshcniAuditActionFailed"  // the action failed
+	EventRefused            = "MeshcniSandboxUnverified"  // the pod's netns could not be verified: nothing done
 )
 
 // Log messages (one line per finding).
@@ -39,6 +40,7 @@ const (
 	LogFailed   = "audit: action failed"
 	LogGone     = "audit: pod network namespace gone, dropped until its containers start again"
 	LogError    = "audit: check failed"
+	LogRefused  = "audit: the pod's network namespace is not verified to be its sandbox's: nothing done"
 	LogRound    = "audit round"
 	defaultConc = 4
 )
@@ -59,9 +61,11 @@ type Pods interface {
 	Get(namespace, name string) (*corev1.Pod, bool)
 }
 
-// Netns finds a pod's network namespace and holds it open (podnetns.Finder).
+// Netns finds a pod's network namespace by its sandbox and holds it open
+// (podnetns.Locator: the recorded netns, verified, else the one of the pod's
+// cgroup, cross-checked; never by an IP alone).
 type Netns interface {
-	FindPod(ctx context.Context, pod *corev1.Pod) (*podnetns.Handle, error)
+	Locate(ctx context.Context, pod *corev1.Pod) (*podnetns.Handle, error)
 }
 
 // The effects, replaceable in tests (defaults: the engine's).
@@ -87,6 +91,27 @@ type Metrics struct {
 	Repaired *prometheus.CounterVec // meshcni_drift_repaired_total{reason}
 	Errors   *prometheus.CounterVec // meshcni_audit_errors_total{stage}
 	Rounds   prometheus.Counter     // meshcni_audit_rounds_total
+	Refused  *prometheus.CounterVec // meshcni_audit_refused_total{reason}
+}
+
+// Refusal reasons (the Refused metric's labels): why a pod's netns was not acted on.
+const (
+	RefusedGone      = "netns-gone"      // the recorded netns no longer exists
+	RefusedMismatch  = "netns-mismatch"  // another netns than the recorded, or recorded for another sandbox
+	RefusedAmbiguous = "netns-ambiguous" // the pod's processes run in several netns
+)
+
+// refusal is the Refused label of a Locate error ("": not a refusal).
+func refusal(err error) string {
+	switch {
+	case errors.Is(err, podnetns.ErrGone):
+		return RefusedGone
+	case errors.Is(err, podnetns.ErrMismatch):
+		return RefusedMismatch
+	case errors.Is(err, podnetns.ErrAmbiguous):
+		return RefusedAmbiguous
+	}
+	return ""
 }
 
 // NewMetrics creates the metrics and registers them in reg (when not nil).
@@ -108,13 +133,20 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "meshcni_audit_rounds_total",
 			Help: "Audit rounds over the node's meshed pods.",
 		}),
+		Refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshcni_audit_refused_total",
+			Help: "Pods the audit left alone because their network namespace was not verified to be their sandbox's, by reason (netns-gone, netns-mismatch, netns-ambiguous).",
+		}, []string{"reason"}),
+	}
+	for _, r := range []string{RefusedGone, RefusedMismatch, RefusedAmbiguous} {
+		m.Refused.WithLabelValues(r)
 	}
 	for _, r := range MetricReasons() {
 		m.Detected.WithLabelValues(string(r))
 		m.Repaired.WithLabelValues(string(r))
 	}
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.Detected, m.Repaired, m.Errors, m.Rounds} {
+		for _, c := range []prometheus.Collector{m.Detected, m.Repaired, m.Errors, m.Rounds, m.Refused} {
 			if err := reg.Register(c); err != nil {
 				return nil, fmt.Errorf("register audit metrics: %w", err)
 			}
@@ -179,9 +211,10 @@ type podState struct {
 	// spec and hash: the redirect the pod was last seen with, or repaired to.
 	spec *spec.Spec
 	hash string
-	// path and ino: where the pod's namespace was found, and its inode.
+	// path and id: where the pod's namespace was located, and its identity with
+	// its cookie (never reused): reopened by path while it is that namespace.
 	path string
-	ino  uint64
+	id   podnetns.Identity
 	// kind: the backend found holding the pod's redirect (checked without probing).
 	kind backend.Kind
 	// gone: the namespace was not found; skipped until the containers start again.
@@ -219,7 +252,7 @@ func New(o Options) (*Auditor, error) {
 		o.InitContainer = "istio-validation"
 	}
 	if o.Netns == nil {
-		o.Netns = &podnetns.Finder{}
+		o.Netns = &podnetns.Locator{}
 	}
 	if o.Check == nil {
 		o.Check = engine.CheckReport

@@ -16,8 +16,14 @@
 // sandbox's ADD): a later change of its annotations is reported, not applied
 // (Istio re-reads none), unless FollowAnnotations is set.
 //
-// Cost is bounded: a round enters each pod's namespace once (the namespace is found
-// once, then reopened by the path it was found through), rounds are spread over the
+// A pod's namespace is its sandbox's (podnetns.Locator: the netns recorded at ADD,
+// verified, else the one of the pod's cgroup, cross-checked), never the one that
+// holds its IP: a namespace not verified to be the pod's is reported (Event
+// MeshcniSandboxUnverified, meshcni_audit_refused_total) and nothing is done.
+//
+// Cost is bounded: a round enters each pod's namespace once (the namespace is
+// located once, then reopened by the path it was located through while its device,
+// inode and cookie are the same), rounds are spread over the
 // period, at most Concurrency pods are checked at a time, and a pod whose namespace
 // is gone is dropped until its containers start again.
 //

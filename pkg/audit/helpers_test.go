@@ -59,7 +59,7 @@ type netnsByName struct {
 	finds int
 }
 
-func (n *netnsByName) FindPod(_ context.Context, pod *corev1.Pod) (*podnetns.Handle, error) {
+func (n *netnsByName) Locate(_ context.Context, pod *corev1.Pod) (*podnetns.Handle, error) {
 	n.mu.Lock()
 	path, ok := n.paths[pod.Name]
 	n.finds++

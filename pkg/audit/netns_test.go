@@ -155,6 +155,11 @@ var drifts = []struct {
 
 func newAuditor(t testing.TB, p *pods, n *netnsByName, mut func(*audit.Options)) (*audit.Auditor, *record.FakeRecorder, *audit.Metrics) {
 	t.Helper()
+	return newAuditorWith(t, p, n, mut)
+}
+
+func newAuditorWith(t testing.TB, p *pods, n audit.Netns, mut func(*audit.Options)) (*audit.Auditor, *record.FakeRecorder, *audit.Metrics) {
+	t.Helper()
 	rec := record.NewFakeRecorder(1000)
 	m, err := audit.NewMetrics(nil)
 	if err != nil {

@@ -204,6 +204,9 @@ func (a *Auditor) Pod(ctx context.Context, pod *corev1.Pod) Result {
 	a.recall(pod, st)
 	target, changed := a.target(pod, st, want, log)
 	h, err := a.netns(ctx, pod, st)
+	if r := refusal(err); r != "" {
+		return a.refuse(pod, st, log, r, err)
+	}
 	if errors.Is(err, podnetns.ErrNotFound) {
 		st.gone = true
 		log.Info(LogGone, "err", err)
@@ -292,24 +295,41 @@ func (a *Auditor) target(pod *corev1.Pod, st *podState, want *spec.Spec, log *sl
 	return st.spec, true
 }
 
-// netns opens the pod's namespace: by the path it was found through when that still
-// leads to the same namespace, else by finding it again.
+// netns opens the pod's namespace: by the path it was located through when that
+// still leads to the same namespace (device, inode and cookie), else by locating
+// it again (Options.Netns: by its sandbox).
 func (a *Auditor) netns(ctx context.Context, pod *corev1.Pod, st *podState) (*podnetns.Handle, error) {
 	if st.path != "" {
-		h, err := podnetns.Open(st.path)
-		if err == nil && h.Inode() == st.ino {
-			return h, nil
-		}
-		if h != nil {
+		if h, err := podnetns.Open(st.path); err == nil {
+			if id, err := h.Cookied(); err == nil && id == st.id {
+				return h, nil
+			}
 			h.Close()
 		}
+		st.path = ""
 	}
-	h, err := a.o.Netns.FindPod(ctx, pod)
+	h, err := a.o.Netns.Locate(ctx, pod)
 	if err != nil {
 		return nil, err
 	}
-	st.path, st.ino = h.Path, h.Inode()
+	if id, err := h.Cookied(); err == nil && id.Cookie != 0 {
+		st.path, st.id = h.Path, id
+	}
 	return h, nil
+}
+
+// refuse reports a pod whose namespace is not verified to be its sandbox's: an
+// Event once per distinct cause, the Refused metric, a log line; nothing is done.
+func (a *Auditor) refuse(pod *corev1.Pod, st *podState, log *slog.Logger, reason string, err error) Result {
+	a.o.Metrics.Refused.WithLabelValues(reason).Inc()
+	if msg := "refused: " + err.Error(); msg != st.lastErr {
+		st.lastErr = msg
+		a.o.Events.Event(pod, corev1.EventTypeWarning, EventRefused, "meshcni: "+err.Error()+"; nothing was changed or deleted")
+		log.Warn(LogRefused, "reason", reason, "err", err)
+	} else {
+		log.Debug(LogRefused, "reason", reason, "err", err)
+	}
+	return Reported
 }
 
 // fail counts an error and logs it: at Warn the first time, at Debug while it repeats.

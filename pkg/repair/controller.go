@@ -34,8 +34,10 @@ const (
 	ReasonLabeled  = "MeshcniLabeledUnredirected" // Normal: label set
 	ReasonFailed   = "MeshcniRepairFailed"        // Warning: the action failed
 	ReasonGaveUp   = "MeshcniRepairGaveUp"        // Warning: the action failed MaxAttempts times
+	ReasonRefused  = "MeshcniSandboxUnverified"   // Warning: the pod's netns or decision forbids acting: nothing done
 	resultSuccess  = "success"
 	resultError    = "error"
+	resultRefused  = "refused"
 	defaultWorkers = 4
 	// MaxRepairsPerPod bounds the in-place repairs of one pod: a pod whose validation
 	// still fails after that many is failing for another reason.
@@ -59,6 +61,7 @@ const (
 	LogSucceeded = "repair action succeeded"
 	LogFailed    = "repair action failed, will retry"
 	LogGaveUp    = "repair action failed, giving up"
+	LogRefused   = "repair refused: nothing done to the pod"
 	// Debug records: the controller looked at a pod and leaves it alone (for now).
 	LogNotBroken   = "repair: pod not broken" // the cheap test on every add/update
 	LogNothingToDo = "repair: nothing to do"  // Decide on a queued pod, or its failed run was handled
@@ -72,11 +75,11 @@ type Pods interface {
 	WaitForSync(ctx context.Context) bool
 }
 
-// Netns finds a pod's network namespace on this host and holds it open
-// (podnetns.Finder: an error wrapping podnetns.ErrAmbiguous when several namespaces
-// hold the pod's addresses).
+// Netns finds a pod's network namespace by its sandbox and holds it open
+// (podnetns.Locator: the recorded netns, verified, else the one of the pod's
+// cgroup, cross-checked; never by an IP alone).
 type Netns interface {
-	FindPod(ctx context.Context, pod *corev1.Pod) (*podnetns.Handle, error)
+	Locate(ctx context.Context, pod *corev1.Pod) (*podnetns.Handle, error)
 }
 
 // ApplyFunc writes a pod's redirect (engine.Apply).
@@ -91,7 +94,7 @@ type Metrics struct {
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m := &Metrics{Repairs: prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "meshcni_repairs_total",
-		Help: "Actions of the repair controller on pods whose validation init container found no redirect, by action (repair, delete, label) and result (success, error).",
+		Help: "Actions of the repair controller on pods whose validation init container found no redirect, by action (repair, delete, label) and result (success, error, refused: the pod's network namespace not verified to be its sandbox's, nothing done).",
 	}, []string{"action", "result"})}
 	if reg != nil {
 		if err := reg.Register(m.Repairs); err != nil {
@@ -156,7 +159,7 @@ func New(o Options) (*Controller, error) {
 		}
 	}
 	if o.Netns == nil {
-		o.Netns = &podnetns.Finder{}
+		o.Netns = &podnetns.Locator{}
 	}
 	if o.Apply == nil {
 		o.Apply = engine.Apply
@@ -177,7 +180,7 @@ func New(o Options) (*Controller, error) {
 		}
 		o.Metrics = m
 	}
-	for _, r := range []string{resultSuccess, resultError} {
+	for _, r := range []string{resultSuccess, resultError, resultRefused} {
 		o.Metrics.Repairs.WithLabelValues(string(o.Policy.Action), r)
 	}
 	c := &Controller{
@@ -333,6 +336,18 @@ func (c *Controller) markDone(pod *corev1.Pod, d Decision, repaired time.Time) {
 // (a stale cached pod, the plugin not installed yet).
 type errRetry struct{ error }
 
+// errRefused is a condition under which acting could hurt another pod (its
+// namespace is not verified to be its sandbox's): reported once, not retried.
+type errRefused struct{ error }
+
+// refused wraps the netns errors that forbid acting.
+func refused(err error) error {
+	if errors.Is(err, podnetns.ErrGone) || errors.Is(err, podnetns.ErrMismatch) || errors.Is(err, podnetns.ErrAmbiguous) {
+		return errRefused{err}
+	}
+	return err
+}
+
 func (c *Controller) process(ctx context.Context, key string) {
 	ns, name, err := cache.SplitMetaNamespaceKey(key)
 	if err != nil {
@@ -367,6 +382,7 @@ func (c *Controller) process(ctx context.Context, key string) {
 	start := time.Now()
 	detail, err := c.act(ctx, pod, d)
 	var retry errRetry
+	var refuse errRefused
 	switch {
 	case err == nil:
 		c.queue.Forget(key)
@@ -382,6 +398,12 @@ func (c *Controller) process(ctx context.Context, key string) {
 	case errors.As(err, &retry):
 		log.Debug(LogRetryLater, "action", d.Action, "reason", retry.Error())
 		c.queue.AddAfter(key, retryAfter)
+	case errors.As(err, &refuse):
+		c.queue.Forget(key)
+		c.markDone(pod, d, time.Time{})
+		c.o.Metrics.Repairs.WithLabelValues(string(d.Action), resultRefused).Inc()
+		c.o.Events.Event(pod, corev1.EventTypeWarning, ReasonRefused, "meshcni: "+refuse.Error()+"; nothing was changed or deleted")
+		log.Warn(LogRefused, "action", d.Action, "result", resultRefused, "reason", d.Reason, "err", refuse.error)
 	case ctx.Err() != nil:
 	default:
 		c.o.Metrics.Repairs.WithLabelValues(string(d.Action), resultError).Inc()
@@ -477,10 +499,11 @@ func (c *Controller) act(ctx context.Context, pod *corev1.Pod, d Decision) (stri
 	return "", fmt.Errorf("unknown action %q", d.Action)
 }
 
-// repairInPlace finds the pod's netns and applies its redirect there, through the
-// namespace's open handle: the namespace found and verified is the one written, even
-// if the path it was found through leads elsewhere meanwhile (a PID reused). Several
-// namespaces holding the pod's addresses are an error: neither is repaired.
+// repairInPlace locates the pod's netns by its sandbox and applies its redirect
+// there, through the namespace's open handle: the namespace found and verified is
+// the one written, even if the path it was found through leads elsewhere meanwhile
+// (a PID reused). A namespace not verified to be the pod's sandbox's (gone,
+// another, several) is refused: nothing is written.
 func (c *Controller) repairInPlace(ctx context.Context, pod *corev1.Pod) (string, backend.Kind, error) {
 	ips, err := podnetns.PodIPs(pod)
 	if err != nil {
@@ -496,9 +519,9 @@ func (c *Controller) repairInPlace(ctx context.Context, pod *corev1.Pod) (string
 	for _, w := range res.Warnings {
 		c.o.Log.Warn(w, "pod_namespace", pod.Namespace, "pod_name", pod.Name)
 	}
-	h, err := c.o.Netns.FindPod(ctx, pod)
+	h, err := c.o.Netns.Locate(ctx, pod)
 	if err != nil {
-		return "", "", fmt.Errorf("find the pod's network namespace: %w", err)
+		return "", "", refused(fmt.Errorf("locate the pod's network namespace: %w", err))
 	}
 	defer h.Close()
 	kind, err := c.o.Apply(ctx, engine.Options{Backend: c.o.Backend, NetnsPath: h.NetnsPath(), Logger: c.o.Log}, res.Spec)

@@ -42,7 +42,7 @@ type fakeNetns struct {
 
 func newFakeNetns() fakeNetns { return fakeNetns{handles: &[]*podnetns.Handle{}, mu: &sync.Mutex{}} }
 
-func (f fakeNetns) FindPod(_ context.Context, pod *corev1.Pod) (*podnetns.Handle, error) {
+func (f fakeNetns) Locate(_ context.Context, pod *corev1.Pod) (*podnetns.Handle, error) {
 	if f.err != nil {
 		return nil, f.err
 	}
@@ -285,7 +285,7 @@ func TestControllerRepairOncePerFailedRun(t *testing.T) {
 		t.Fatalf("%d applies", n)
 	}
 	o, s := h.apply.calls[0], h.apply.specs[0]
-	// Applied through the handle FindPod returned (/proc/self/fd/N, the namespace
+	// Applied through the handle Locate returned (/proc/self/fd/N, the namespace
 	// found), not through the path it was found by; the handle closed after.
 	if !strings.HasPrefix(o.NetnsPath, "/proc/self/fd/") || h.apply.inodes[0] != inode("/proc/self/ns/net") || o.Backend != backend.Nftables || !s.EnableIPv4 || s.EnableIPv6 {
 		t.Fatalf("apply options %+v (netns inode %d, want %d), spec v4=%v v6=%v", o, h.apply.inodes[0], inode("/proc/self/ns/net"), s.EnableIPv4, s.EnableIPv6)
