@@ -84,6 +84,7 @@ func (a *Agent) AddAudit(k *Kube) error {
 		Applied:           a.Sandboxes,
 		Pods:              a.Pods,
 		Netns:             &podnetns.Locator{Records: a.Sandboxes},
+		Decisions:         a.Sandboxes,
 		Client:            k.Client,
 		Events:            k.Events,
 		ReadyToDelete:     a.Guard.Ready,

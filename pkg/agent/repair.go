@@ -134,6 +134,7 @@ func (a *Agent) AddRepair(k *Kube) error {
 		Events:        k.Events,
 		Pods:          a.Pods,
 		Netns:         &podnetns.Locator{Records: a.Sandboxes},
+		Decisions:     a.Sandboxes,
 		ReadyToDelete: a.Guard.Ready,
 		Metrics:       m,
 		Log:           a.Log.With("component", "repair"),

@@ -85,6 +85,13 @@ type AppliedSpecs interface {
 	Remember(pod *corev1.Pod, s *spec.Spec)
 }
 
+// Decisions is what the agent recorded of each pod's sandbox's ADD (pkg/agent's
+// Sandboxes): the decision of the pod's newest recorded sandbox and its reason
+// ("": no record says).
+type Decisions interface {
+	Decided(pod *corev1.Pod) (Decision, string)
+}
+
 // Metrics are the audit's counters.
 type Metrics struct {
 	Detected *prometheus.CounterVec // meshcni_drift_detected_total{reason}
@@ -180,6 +187,10 @@ type Options struct {
 	// change of its annotations since is reported, instead of the annotations
 	// being taken as the spec it was redirected with.
 	Applied AppliedSpecs
+	// Decisions, when set, say what each pod's sandbox's ADD decided: a pod ADD
+	// skipped is never audited nor escaped, and annotations that disagree with the
+	// ADD are reported, never acted on (Decided).
+	Decisions Decisions
 
 	Pods   Pods
 	Netns  Netns
@@ -219,6 +230,8 @@ type podState struct {
 	kind backend.Kind
 	// gone: the namespace was not found; skipped until the containers start again.
 	gone bool
+	// recorded: the pod's sandbox's ADD is recorded as meshed.
+	recorded bool
 	// reported: the last finding reported (report mode: not repeated each round);
 	// changed: the annotations' spec hash last reported as changed; lastErr: the
 	// last error logged at Warn level.

@@ -42,6 +42,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
+	"github.com/meshcni/meshcni/pkg/sandboxstate"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -90,8 +91,20 @@ func MetricReasons() []engine.Reason {
 
 // Audited says whether the audit looks at pod, and why not. It looks at pods of
 // node (any, when node is ""), running, not being deleted, not on the host network,
-// with an IP, that the plugin redirects (podspec.Decide with mesh).
+// with an IP, that the plugin redirects (podspec.Decide with mesh: the pod's
+// current annotations; the Auditor asks the sandbox's record first, Decided).
 func Audited(pod *corev1.Pod, node string, mesh podspec.Config) (bool, string) {
+	if ok, why := eligible(pod, node); !ok {
+		return false, why
+	}
+	if d := podspec.Decide(corepod.From(pod), mesh); !d.Meshed {
+		return false, "not meshed: " + d.Reason
+	}
+	return true, ""
+}
+
+// eligible: Audited but the meshed decision.
+func eligible(pod *corev1.Pod, node string) (bool, string) {
 	switch {
 	case pod == nil:
 		return false, "no pod"
@@ -106,10 +119,35 @@ func Audited(pod *corev1.Pod, node string, mesh podspec.Config) (bool, string) {
 	case pod.Status.PodIP == "":
 		return false, "pod has no IP yet"
 	}
-	if d := podspec.Decide(corepod.From(pod), mesh); !d.Meshed {
-		return false, "not meshed: " + d.Reason
-	}
 	return true, ""
+}
+
+// Decision is what the ADD of the pod's sandbox decided, as the agent recorded it.
+type Decision = sandboxstate.Decision
+
+// Verdict is how the audit treats a pod, from what its sandbox's ADD decided
+// (recorded: "", none) and what its annotations say now (meshedNow).
+type Verdict int
+
+// The verdicts.
+const (
+	Skip   Verdict = iota // not audited
+	Check                 // audited
+	Change                // the annotations changed since the ADD: reported, never acted on
+)
+
+// Decided judges a pod by its ADD's decision: a pod ADD skipped is never
+// audited (escaped or not), a pod ADD meshed is audited against its recorded
+// redirect; when the annotations disagree with the ADD the change is reported and
+// nothing is done. Without a record, the current annotations decide.
+func Decided(recorded Decision, meshedNow bool) Verdict {
+	switch {
+	case recorded == sandboxstate.Skipped && meshedNow, recorded == sandboxstate.Meshed && !meshedNow:
+		return Change
+	case recorded == sandboxstate.Skipped, recorded == "" && !meshedNow:
+		return Skip
+	}
+	return Check
 }
 
 // HasInitContainer reports whether pod declares an init container called name (the
@@ -156,13 +194,15 @@ type Judgement struct {
 }
 
 // Judge decides from a drift report (absent: the namespace holds no meshcni rule in
-// any backend; validation: the pod has a validation init container).
-func Judge(r engine.Report, absent, validation bool, action, escaped Action) Judgement {
+// any backend; validation: the pod has a validation init container; recorded: its
+// sandbox's ADD is recorded as meshed). Only a pod without a record can be
+// escaped: a recorded ADD ran through meshcni, so missing rules are drift.
+func Judge(r engine.Report, absent, validation, recorded bool, action, escaped Action) Judgement {
 	if r.Empty() {
 		return Judgement{}
 	}
 	j := Judgement{Drift: true, Action: action, Reasons: r.Reasons()}
-	if absent && !validation {
+	if absent && !validation && !recorded {
 		j.Escaped, j.Action, j.Reasons = true, escaped, []engine.Reason{ReasonNoRedirect}
 	}
 	return j

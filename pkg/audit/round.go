@@ -19,6 +19,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
+	"github.com/meshcni/meshcni/pkg/sandboxstate"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -185,7 +186,17 @@ func (a *Auditor) Pod(ctx context.Context, pod *corev1.Pod) Result {
 		return Skipped
 	}
 	pod = cur
-	if ok, _ := Audited(pod, a.o.Node, a.o.Mesh); !ok {
+	if ok, _ := eligible(pod, a.o.Node); !ok {
+		return Skipped
+	}
+	meshedNow, _ := Audited(pod, a.o.Node, a.o.Mesh)
+	var recorded Decision
+	why := ""
+	if a.o.Decisions != nil {
+		recorded, why = a.o.Decisions.Decided(pod)
+	}
+	verdict := Decided(recorded, meshedNow)
+	if verdict == Skip {
 		return Skipped
 	}
 	st := a.state(pod.UID)
@@ -193,10 +204,14 @@ func (a *Auditor) Pod(ctx context.Context, pod *corev1.Pod) Result {
 		return Skipped
 	}
 	defer st.busy.Unlock()
+	log := a.o.Log.With("pod_namespace", pod.Namespace, "pod_name", pod.Name, "pod_uid", string(pod.UID))
+	if verdict == Change {
+		return a.changedSinceAdd(pod, st, recorded, why, log)
+	}
+	st.recorded = recorded == sandboxstate.Meshed
 	if st.gone {
 		return Skipped
 	}
-	log := a.o.Log.With("pod_namespace", pod.Namespace, "pod_name", pod.Name, "pod_uid", string(pod.UID))
 	want, err := a.spec(pod)
 	if err != nil {
 		return a.fail(log, st, "spec", err)
@@ -239,6 +254,26 @@ func (a *Auditor) Pod(ctx context.Context, pod *corev1.Pod) Result {
 		return Clean
 	}
 	return a.drift(ctx, pod, st, o, target, rep, h.Path, log)
+}
+
+// changedSinceAdd reports, once, a pod whose annotations disagree with what its
+// sandbox's ADD decided; nothing is done (the running pod keeps what its ADD gave
+// it; the new annotations apply when it is recreated).
+func (a *Auditor) changedSinceAdd(pod *corev1.Pod, st *podState, recorded Decision, why string, log *slog.Logger) Result {
+	now := "meshed"
+	if recorded == sandboxstate.Meshed {
+		now = "not meshed"
+	}
+	key := string(recorded) + "→" + now
+	if st.changed == key {
+		return Reported
+	}
+	st.changed = key
+	a.o.Metrics.Detected.WithLabelValues(string(ReasonAnnotationsChanged)).Inc()
+	msg := fmt.Sprintf("meshcni: the pod's annotations say %s, but its sandbox's ADD decided %s (%s); nothing is changed or deleted: the pod keeps what its ADD gave it until it is recreated", now, recorded, why)
+	a.o.Events.Event(pod, corev1.EventTypeWarning, EventAnnotationsChanged, msg)
+	log.Warn(LogChanged, "reason", ReasonAnnotationsChanged, "add_decision", recorded, "add_reason", why, "annotations", now)
+	return Reported
 }
 
 // spec is the redirect the pod's annotations give today.
@@ -368,7 +403,7 @@ func (a *Auditor) drift(ctx context.Context, pod *corev1.Pod, st *podState, o en
 	if Absent(rep) {
 		absent = a.noRules(ctx, o)
 	}
-	j := Judge(rep, absent, HasInitContainer(pod, a.o.InitContainer), a.o.Action, a.o.EscapedAction)
+	j := Judge(rep, absent, HasInitContainer(pod, a.o.InitContainer), st.recorded, a.o.Action, a.o.EscapedAction)
 	desc := rep.Describe()
 	if j.Escaped {
 		desc = fmt.Sprintf("no meshcni redirect at all and no %s init container: the pod's sandbox was created while meshcni was not in the node's CNI chain", a.o.InitContainer)

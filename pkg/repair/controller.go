@@ -24,6 +24,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
+	"github.com/meshcni/meshcni/pkg/sandboxstate"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -82,6 +83,13 @@ type Netns interface {
 	Locate(ctx context.Context, pod *corev1.Pod) (*podnetns.Handle, error)
 }
 
+// Decisions is what the agent recorded of each pod's sandbox's ADD (pkg/agent's
+// Sandboxes): the decision of the pod's newest recorded sandbox and its reason
+// ("": no record says).
+type Decisions interface {
+	Decided(pod *corev1.Pod) (sandboxstate.Decision, string)
+}
+
 // ApplyFunc writes a pod's redirect (engine.Apply).
 type ApplyFunc func(ctx context.Context, o engine.Options, s *spec.Spec) (backend.Kind, error)
 
@@ -117,6 +125,9 @@ type Options struct {
 	Netns Netns
 	// Apply writes rules (default engine.Apply).
 	Apply ApplyFunc
+	// Decisions, when set: a pod whose sandbox's ADD skipped it is never acted on
+	// (its current annotations disagree with its ADD): reported once.
+	Decisions Decisions
 	// ReadyToDelete, when set, must return nil before a pod is deleted: the agent's
 	// plugin installed, so the recreated pod gets its redirect at ADD.
 	ReadyToDelete func() error
@@ -380,7 +391,7 @@ func (c *Controller) process(ctx context.Context, key string) {
 		return
 	}
 	start := time.Now()
-	detail, err := c.act(ctx, pod, d)
+	detail, err := c.actOnDecided(ctx, pod, d)
 	var retry errRetry
 	var refuse errRefused
 	switch {
@@ -440,6 +451,16 @@ func verb(a Action) string {
 		return "label"
 	}
 	return "repair in place"
+}
+
+// actOnDecided refuses a pod its sandbox's ADD skipped, else acts.
+func (c *Controller) actOnDecided(ctx context.Context, pod *corev1.Pod, d Decision) (string, error) {
+	if c.o.Decisions != nil {
+		if rec, why := c.o.Decisions.Decided(pod); rec == sandboxstate.Skipped {
+			return "", errRefused{fmt.Errorf("the pod's sandbox's ADD skipped it (%s); its annotations changed since: not acting on them", why)}
+		}
+	}
+	return c.act(ctx, pod, d)
 }
 
 // act runs the decided action and returns the success message.

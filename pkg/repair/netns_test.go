@@ -26,6 +26,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/podnetns"
+	"github.com/meshcni/meshcni/pkg/sandboxstate"
 )
 
 // nsWith makes a netns holding addrs on eth0 (a veth pair with both ends inside) and
@@ -241,5 +242,36 @@ func TestControllerStaleIPHeldByAnotherSandbox(t *testing.T) {
 	}
 	if h.count(ActionRepair, resultRefused) != 1 {
 		t.Error("metrics: want one refusal")
+	}
+}
+
+// skippedAtAdd says every pod's sandbox's ADD skipped it.
+type skippedAtAdd struct{}
+
+func (skippedAtAdd) Decided(*corev1.Pod) (sandboxstate.Decision, string) {
+	return sandboxstate.Skipped, "sidecar.istio.io/interceptionMode=NONE"
+}
+
+// TestControllerNeverActsOnAPodAddSkipped: a pod whose validation fails but
+// whose sandbox's ADD skipped it (its annotations changed since) is reported once,
+// for every action; nothing is written, deleted or labelled.
+func TestControllerNeverActsOnAPodAddSkipped(t *testing.T) {
+	for _, action := range Actions {
+		t.Run(string(action), func(t *testing.T) {
+			h := start(t, action, func(o *Options, _ *fake.Clientset) { o.Decisions = skippedAtAdd{} }, brokenPod())
+			e := h.nextEvent(t)
+			if !strings.HasPrefix(e, "Warning "+ReasonRefused+" ") || !strings.Contains(e, "ADD skipped it (sidecar.istio.io/interceptionMode=NONE)") {
+				t.Fatalf("Event %q: want %s naming the ADD's decision", e, ReasonRefused)
+			}
+			h.noEvent(t)
+			if h.apply.count() != 0 || h.count(action, resultRefused) != 1 {
+				t.Fatalf("applies %d, refused %v: want none and one", h.apply.count(), h.count(action, resultRefused))
+			}
+			for _, act := range h.client.Actions() {
+				if v := act.GetVerb(); v != "get" && v != "list" && v != "watch" {
+					t.Errorf("API action %s: want none", v)
+				}
+			}
+		})
 	}
 }
