@@ -52,7 +52,7 @@ func TestRepairFlags(t *testing.T) {
 		}},
 		{name: "flag beats env", args: []string{"--repair-action", "delete"}, env: map[string]string{"MESHCNI_REPAIR_ACTION": "label"},
 			check: func(t *testing.T, c *Config) {
-				if c.RepairAction != repair.ActionDelete {
+				if c.RepairAction != repair.ActionEvict {
 					t.Fatal(c.RepairAction)
 				}
 			}},
@@ -61,7 +61,7 @@ func TestRepairFlags(t *testing.T) {
 				t.Fatalf("%#v: want an empty, non-nil list (only /proc)", c.RepairNetnsDirs)
 			}
 		}},
-		{name: "bad action", args: []string{"--repair-action", "restart"}, wantErr: `--repair-action: unknown repair action "restart"`},
+		{name: "bad action", args: []string{"--repair-action", "restart"}, wantErr: `--repair-action: repair action: unknown action "restart"`},
 		{name: "bad label key", args: []string{"--repair-label-key", "not a key"}, wantErr: "--repair-label-key"},
 		{name: "bad label selector", args: []string{"--repair-label-selector", "app=("}, wantErr: "--repair-label-selector"},
 		{name: "bad field selector", args: []string{"--repair-field-selector", "metadata.labels=x"}, wantErr: `--repair-field-selector: field selector "metadata.labels=x": field "metadata.labels" is not a pod field`},

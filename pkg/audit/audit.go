@@ -16,6 +16,7 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
@@ -175,7 +176,7 @@ type Options struct {
 	Period time.Duration
 	// Concurrency bounds the pods checked at a time (default DefaultConcurrency).
 	Concurrency int
-	// Action on drift (default repair); EscapedAction on escaped pods (default delete).
+	// Action on drift (default repair); EscapedAction on escaped pods (default repair).
 	Action, EscapedAction Action
 	// FollowAnnotations applies a changed spec instead of reporting it.
 	FollowAnnotations bool
@@ -194,9 +195,11 @@ type Options struct {
 
 	Pods   Pods
 	Netns  Netns
-	Client kubernetes.Interface // delete (escaped pods); nil: delete fails
-	Events record.EventRecorder
-	// ReadyToDelete, when set, must return nil before a pod is deleted (the plugin
+	Client kubernetes.Interface // unused by the audit itself (the Evictor has its own)
+	// Evictor evicts escaped pods (EscapedAction evict); nil: evict fails.
+	Evictor *heal.Evictor
+	Events  record.EventRecorder
+	// ReadyToDelete, when set, must return nil before a pod is evicted (the plugin
 	// installed, so the recreated pod gets its redirect).
 	ReadyToDelete func() error
 	Metrics       *Metrics
@@ -247,7 +250,7 @@ func New(o Options) (*Auditor, error) {
 		o.Action = ActionRepair
 	}
 	if o.EscapedAction == "" {
-		o.EscapedAction = ActionDelete
+		o.EscapedAction = ActionRepair
 	}
 	if _, err := ParseAction(string(o.Action)); err != nil {
 		return nil, err

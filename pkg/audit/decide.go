@@ -5,10 +5,12 @@
 //
 //   - repair (default): re-apply the pod's redirect atomically, in place;
 //   - report: change nothing; the Event, the metric and the log line say what changed;
-//   - delete (escaped pods only, their default): a pod with no meshcni redirect at
-//     all and no validation init container — its sandbox was created while meshcni
-//     was not in the CNI chain — is deleted so its controller recreates it through
-//     the chain.
+//   - evict (escaped pods only, opt-in; the escaped pods' default is repair): a pod
+//     with no meshcni redirect at all, no validation init container and no record
+//     of its sandbox's ADD — its sandbox was created while meshcni was not in the
+//     CNI chain — is evicted (pkg/heal: the Eviction API, PodDisruptionBudgets,
+//     never a bare or mirror pod, the node's budget and circuit breaker) so its
+//     controller recreates it through the chain.
 //
 // Pods the plugin deliberately skips (podspec.Decide) are never touched. The spec a
 // pod was redirected with is remembered (first audit, or the last repair; across
@@ -35,43 +37,45 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/sandboxstate"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
-// Action is what the audit does about a pod whose redirect drifted.
-type Action string
+// Action is what the audit does about a pod whose redirect drifted (the agent's
+// healing actions, pkg/heal).
+type Action = heal.Action
 
 // The actions.
 const (
-	ActionRepair Action = "repair" // re-apply the redirect in place
-	ActionReport Action = "report" // Event, metric, log; nothing changed
-	ActionDelete Action = "delete" // escaped pods only: delete, the controller recreates it
+	ActionRepair = heal.Repair // re-apply the redirect in place
+	ActionReport = heal.Report // Event, metric, log; nothing changed
+	ActionEvict  = heal.Evict  // escaped pods only: evict, the controller recreates it
 )
 
 // ParseAction parses the drift action (repair or report).
 func ParseAction(s string) (Action, error) {
-	switch a := Action(strings.TrimSpace(s)); a {
-	case ActionRepair, ActionReport:
-		return a, nil
+	a, err := heal.ParseAction(s, ActionRepair, ActionReport)
+	if err != nil {
+		return "", fmt.Errorf("audit action: %w", err)
 	}
-	return "", fmt.Errorf("unknown audit action %q: want repair or report", s)
+	return a, nil
 }
 
-// ParseEscapedAction parses the escaped-pod action (delete, repair or report).
+// ParseEscapedAction parses the escaped-pod action (repair, evict or report;
+// delete is evict).
 func ParseEscapedAction(s string) (Action, error) {
-	switch a := Action(strings.TrimSpace(s)); a {
-	case ActionDelete, ActionRepair, ActionReport:
-		return a, nil
+	a, err := heal.ParseAction(s, ActionRepair, ActionEvict, ActionReport)
+	if err != nil {
+		return "", fmt.Errorf("audit escaped-pod action: %w", err)
 	}
-	return "", fmt.Errorf("unknown audit escaped-pod action %q: want delete, repair or report", s)
+	return a, nil
 }
 
 // Reasons of drift besides the engine's (engine.Reasons), as metric labels.

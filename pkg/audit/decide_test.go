@@ -60,11 +60,11 @@ func TestJudge(t *testing.T) {
 		{"drift", drift, false, true, false, Judgement{Drift: true, Action: ActionRepair, Reasons: []engine.Reason{engine.ReasonMissingChain}}},
 		{"nothing left, validation container: repaired, the validation catches the next start", drift, true, true, false,
 			Judgement{Drift: true, Action: ActionRepair, Reasons: []engine.Reason{engine.ReasonMissingChain}}},
-		{"escaped", drift, true, false, false, Judgement{Drift: true, Escaped: true, Action: ActionDelete, Reasons: []engine.Reason{ReasonNoRedirect}}},
+		{"escaped", drift, true, false, false, Judgement{Drift: true, Escaped: true, Action: ActionEvict, Reasons: []engine.Reason{ReasonNoRedirect}}},
 		{"nothing left, ADD recorded meshed: drift, not escaped", drift, true, false, true,
 			Judgement{Drift: true, Action: ActionRepair, Reasons: []engine.Reason{engine.ReasonMissingChain}}},
 	} {
-		if got := Judge(tc.r, tc.absent, tc.validation, tc.recorded, ActionRepair, ActionDelete); !reflect.DeepEqual(got, tc.want) {
+		if got := Judge(tc.r, tc.absent, tc.validation, tc.recorded, ActionRepair, ActionEvict); !reflect.DeepEqual(got, tc.want) {
 			t.Errorf("%s: %+v, want %+v", tc.name, got, tc.want)
 		}
 	}
@@ -94,12 +94,12 @@ func TestParseActions(t *testing.T) {
 	if a, err := ParseAction(" report "); err != nil || a != ActionReport {
 		t.Fatal(a, err)
 	}
-	if _, err := ParseAction("delete"); err == nil {
-		t.Fatal("delete is for escaped pods only")
+	if _, err := ParseAction("evict"); err == nil {
+		t.Fatal("evict is for escaped pods only")
 	}
-	for _, s := range []string{"delete", "repair", "report"} {
-		if a, err := ParseEscapedAction(s); err != nil || string(a) != s {
-			t.Fatal(a, err)
+	for s, want := range map[string]Action{"evict": ActionEvict, "delete": ActionEvict, "repair": ActionRepair, "report": ActionReport} {
+		if a, err := ParseEscapedAction(s); err != nil || a != want {
+			t.Fatal(s, a, err)
 		}
 	}
 	if _, err := ParseEscapedAction("label"); err == nil {

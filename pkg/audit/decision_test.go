@@ -44,21 +44,21 @@ func TestSkippedAtAddNeverEscaped(t *testing.T) {
 		want     audit.Result
 	}{
 		{"ADD recorded skipped", decisions{"uid-none": sandboxstate.Skipped}, audit.Reported},
-		{"no record: escaped", decisions{}, audit.Deleted},
+		{"no record: escaped", decisions{}, audit.Evicted},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			pod := meshedPod("none", traffic.PodIPv4.String(), map[string]string{podspec.AnnotationInterceptionMode: "NONE"})
+			pod := owned(meshedPod("none", traffic.PodIPv4.String(), map[string]string{podspec.AnnotationInterceptionMode: "NONE"}))
 			pod.Spec.InitContainers = nil // Istio's injector adds no istio-validation to a NONE pod
 			delete(pod.Annotations, podspec.AnnotationInterceptionMode)
 			client := fake.NewClientset(pod)
 			p := &pods{list: []*corev1.Pod{pod}}
 			a, rec, m := newAuditor(t, p, &netnsByName{paths: map[string]string{"none": net.NetNS}}, func(o *audit.Options) {
-				o.EscapedAction, o.Client, o.Decisions = audit.ActionDelete, client, tt.recorded
+				o.EscapedAction, o.Client, o.Evictor, o.Decisions = audit.ActionEvict, client, evictor(client), tt.recorded
 			})
 			if st := a.Round(ctx); st[tt.want] != 1 {
 				t.Fatalf("round: %v, want %s; events %q", st, tt.want, events(rec))
 			}
-			if tt.want == audit.Deleted {
+			if tt.want == audit.Evicted {
 				return
 			}
 			for i := range 3 {
@@ -67,7 +67,7 @@ func TestSkippedAtAddNeverEscaped(t *testing.T) {
 				}
 			}
 			for _, act := range client.Actions() {
-				if act.GetVerb() != "get" && act.GetVerb() != "list" {
+				if act.GetVerb() != "get" && act.GetVerb() != "list" { // no eviction (a create), no delete
 					t.Errorf("API action %s: want none", act.GetVerb())
 				}
 			}

@@ -12,11 +12,10 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/sandboxstate"
@@ -31,7 +30,7 @@ const (
 	Skipped  Result = "skipped"  // not audited (not meshed, not running, busy, dropped)
 	Clean    Result = "clean"    // the live redirect is the spec's
 	Repaired Result = "repaired" // drift, re-applied in place
-	Deleted  Result = "deleted"  // escaped, deleted
+	Evicted  Result = "evicted"  // escaped, evicted
 	Reported Result = "reported" // drift (or changed annotations), reported only
 	Gone     Result = "gone"     // the namespace is gone: dropped
 	Failed   Result = "failed"   // an error (logged, counted)
@@ -150,7 +149,7 @@ func (a *Auditor) Run(ctx context.Context) error {
 
 func (a *Auditor) logRound(s Stats) {
 	args := []any{}
-	for _, r := range []Result{Clean, Repaired, Deleted, Reported, Gone, Failed, Skipped} {
+	for _, r := range []Result{Clean, Repaired, Evicted, Reported, Gone, Failed, Skipped} {
 		args = append(args, string(r), s[r])
 	}
 	a.o.Log.Debug(LogRound, args...)
@@ -408,8 +407,8 @@ func (a *Auditor) drift(ctx context.Context, pod *corev1.Pod, st *podState, o en
 	if j.Escaped {
 		desc = fmt.Sprintf("no meshcni redirect at all and no %s init container: the pod's sandbox was created while meshcni was not in the node's CNI chain", a.o.InitContainer)
 	}
-	if j.Action == ActionReport && st.reported == desc {
-		return Reported // reported already: not every round
+	if (j.Action == ActionReport || j.Action == ActionEvict) && st.reported == desc {
+		return Reported // reported (or its eviction refused) already: not every round
 	}
 	for _, r := range j.Reasons {
 		a.o.Metrics.Detected.WithLabelValues(string(r)).Inc()
@@ -471,32 +470,29 @@ func (a *Auditor) act(ctx context.Context, pod *corev1.Pod, o engine.Options, ta
 			return "", Failed, fmt.Errorf("re-apply the redirect in %s: %w", where, err)
 		}
 		return fmt.Sprintf("redirect re-applied in place (backend %s, netns %s)", kind, where), Repaired, nil
-	case ActionDelete:
-		if err := a.delete(ctx, pod); err != nil {
+	case ActionEvict:
+		err := a.evict(ctx, pod)
+		if r, ok := heal.IsRefused(err); ok {
+			return "not evicted: " + r.Error() + "; nothing changed", Reported, nil
+		}
+		if err != nil {
 			return "", Failed, err
 		}
-		return "pod deleted: its controller recreates it through meshcni's plugin", Deleted, nil
+		return "pod evicted: its controller recreates it through meshcni's plugin", Evicted, nil
 	}
 	return "", Failed, fmt.Errorf("unknown action %q", j.Action)
 }
 
-func (a *Auditor) delete(ctx context.Context, pod *corev1.Pod) error {
+func (a *Auditor) evict(ctx context.Context, pod *corev1.Pod) error {
 	if a.o.ReadyToDelete != nil {
 		if err := a.o.ReadyToDelete(); err != nil {
-			return fmt.Errorf("not deleting: the plugin is not installed yet: %w", err)
+			return fmt.Errorf("not evicting: the plugin is not installed yet: %w", err)
 		}
 	}
-	if a.o.Client == nil {
-		return errors.New("not deleting: no Kubernetes API access")
+	if a.o.Evictor == nil {
+		return errors.New("not evicting: no Kubernetes API access")
 	}
-	uid, rv := pod.UID, pod.ResourceVersion
-	err := a.o.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
-		Preconditions: &metav1.Preconditions{UID: &uid, ResourceVersion: &rv},
-	})
-	if err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("delete: %w", err)
-	}
-	return nil
+	return a.o.Evictor.Evict(ctx, pod)
 }
 
 // actionFailed reports a failed action (Event once per distinct error).

@@ -100,7 +100,7 @@ func TestStaleIPHeldByAnotherSandbox(t *testing.T) {
 		t.Fatal(err)
 	}
 	recB := recordOf(t, "sandbox-b", "uid-b", nsB)
-	podA := meshedPod("a", traffic.PodIPv4.String(), nil)
+	podA := owned(meshedPod("a", traffic.PodIPv4.String(), nil))
 	podA.Spec.InitContainers = nil // validation-free: the audit's escaped case
 	podA.UID = types.UID("uid-a")
 
@@ -113,13 +113,13 @@ func TestStaleIPHeldByAnotherSandbox(t *testing.T) {
 	}
 	h.Close()
 
-	for _, actions := range [][2]audit.Action{{audit.ActionRepair, audit.ActionDelete}, {audit.ActionRepair, audit.ActionRepair}} {
+	for _, actions := range [][2]audit.Action{{audit.ActionRepair, audit.ActionEvict}, {audit.ActionRepair, audit.ActionRepair}} {
 		t.Run(string(actions[0])+"-"+string(actions[1]), func(t *testing.T) {
 			client := fake.NewClientset(podA)
 			p := &pods{list: []*corev1.Pod{podA}}
 			loc := &podnetns.Locator{ProcDir: t.TempDir(), Records: sandboxes{recA, recB}}
 			a, rec, m := newAuditorWith(t, p, loc, func(o *audit.Options) {
-				o.Action, o.EscapedAction, o.Client = actions[0], actions[1], client
+				o.Action, o.EscapedAction, o.Client, o.Evictor = actions[0], actions[1], client, evictor(client)
 			})
 			for i := range 3 {
 				if st := a.Round(ctx); st[audit.Reported] != 1 {

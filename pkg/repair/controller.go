@@ -22,6 +22,7 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/sandboxstate"
@@ -31,7 +32,7 @@ import (
 // Event reasons on the pods acted on.
 const (
 	ReasonRepaired = "MeshcniRedirectRepaired"    // Normal: rules applied in place
-	ReasonDeleted  = "MeshcniDeletedUnredirected" // Normal: pod deleted for its controller to recreate
+	ReasonDeleted  = "MeshcniEvictedUnredirected" // Normal: pod evicted for its controller to recreate
 	ReasonLabeled  = "MeshcniLabeledUnredirected" // Normal: label set
 	ReasonFailed   = "MeshcniRepairFailed"        // Warning: the action failed
 	ReasonGaveUp   = "MeshcniRepairGaveUp"        // Warning: the action failed MaxAttempts times
@@ -102,7 +103,7 @@ type Metrics struct {
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m := &Metrics{Repairs: prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "meshcni_repairs_total",
-		Help: "Actions of the repair controller on pods whose validation init container found no redirect, by action (repair, delete, label) and result (success, error, refused: the pod's network namespace not verified to be its sandbox's, nothing done).",
+		Help: "Actions of the repair controller on pods whose validation init container found no redirect, by action (repair, evict, label) and result (success, error, refused: the pod's network namespace not verified to be its sandbox's, nothing done).",
 	}, []string{"action", "result"})}
 	if reg != nil {
 		if err := reg.Register(m.Repairs); err != nil {
@@ -125,6 +126,8 @@ type Options struct {
 	Netns Netns
 	// Apply writes rules (default engine.Apply).
 	Apply ApplyFunc
+	// Evictor evicts pods (ActionEvict; pkg/heal, shared with the audit).
+	Evictor *heal.Evictor
 	// Decisions, when set: a pod whose sandbox's ADD skipped it is never acted on
 	// (its current annotations disagree with its ADD): reported once.
 	Decisions Decisions
@@ -435,7 +438,7 @@ func (c *Controller) process(ctx context.Context, key string) {
 
 func successReason(a Action) string {
 	switch a {
-	case ActionDelete:
+	case ActionEvict:
 		return ReasonDeleted
 	case ActionLabel:
 		return ReasonLabeled
@@ -445,8 +448,8 @@ func successReason(a Action) string {
 
 func verb(a Action) string {
 	switch a {
-	case ActionDelete:
-		return "delete"
+	case ActionEvict:
+		return "evict"
 	case ActionLabel:
 		return "label"
 	}
@@ -474,25 +477,26 @@ func (c *Controller) act(ctx context.Context, pod *corev1.Pod, d Decision) (stri
 		}
 		return fmt.Sprintf("meshcni applied the traffic redirect in place after %s (backend %s, netns %s); the next run of %s passes",
 			why, kind, netns, d.Failure.Container), nil
-	case ActionDelete:
+	case ActionEvict:
 		if c.o.ReadyToDelete != nil {
 			if err := c.o.ReadyToDelete(); err != nil {
 				return "", errRetry{fmt.Errorf("plugin not installed yet: %w", err)}
 			}
 		}
-		uid, rv := pod.UID, pod.ResourceVersion
-		err := c.o.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
-			Preconditions: &metav1.Preconditions{UID: &uid, ResourceVersion: &rv},
-		})
+		if c.o.Evictor == nil {
+			return "", errors.New("not evicting: no eviction path configured")
+		}
+		err := c.o.Evictor.Evict(ctx, pod)
+		if r, ok := heal.IsRefused(err); ok {
+			return "", errRefused{r}
+		}
 		switch {
 		case apierrors.IsConflict(err):
-			return "", errRetry{fmt.Errorf("stale pod (resourceVersion %s): %w", rv, err)}
-		case apierrors.IsNotFound(err):
-			return "pod already gone", nil
+			return "", errRetry{fmt.Errorf("stale pod (resourceVersion %s): %w", pod.ResourceVersion, err)}
 		case err != nil:
-			return "", fmt.Errorf("delete: %w", err)
+			return "", err
 		}
-		return fmt.Sprintf("meshcni deleted the pod after %s (the traffic redirect was missing); its controller recreates it with the redirect", why), nil
+		return fmt.Sprintf("meshcni evicted the pod after %s (the traffic redirect was missing); its controller recreates it with the redirect", why), nil
 	case ActionLabel:
 		// The UID and the resourceVersion the decision was made from: the API server
 		// refuses the patch (Conflict) when the pod is a namesake recreated meanwhile

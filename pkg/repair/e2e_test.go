@@ -749,7 +749,7 @@ func TestRaceDelete(t *testing.T) {
 	}
 	before := others.wait(t, ctx, tb)
 
-	a := startAgent(t, tb, bin, repair.ActionDelete)
+	a := startAgent(t, tb, bin, repair.ActionEvict)
 	ready := a.watching(t, ctx)
 	for _, p := range orig {
 		waitFor(t, ctx, 30*time.Second, p.Name+" deleted", func() (bool, error) {
