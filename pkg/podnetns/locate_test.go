@@ -64,7 +64,7 @@ func (r records) Holders(dev, ino uint64) []podnetns.Sandbox {
 }
 
 // identity reads a netns file's device, inode and cookie.
-func identity(t *testing.T, path string) podnetns.Identity {
+func identity(t testing.TB, path string) podnetns.Identity {
 	t.Helper()
 	var st unix.Stat_t
 	if err := unix.Stat(path, &st); err != nil {
