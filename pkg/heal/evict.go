@@ -130,7 +130,7 @@ func (e *Evictor) Evict(ctx context.Context, pod *corev1.Pod) error {
 	if e.Meshed != nil {
 		meshed = e.Meshed()
 	}
-	switch v, why := e.Budget.Take(now, owner, meshed); v {
+	switch v, why := e.Budget.Take(now, owner, pod.CreationTimestamp.Time, meshed); v {
 	case Tripped:
 		e.Metrics.Breaker.Set(1)
 		e.Log.Error(LogTripped, "why", why, "pod_namespace", pod.Namespace, "pod_name", pod.Name)

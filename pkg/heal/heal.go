@@ -8,9 +8,9 @@
 //     be gone for good, a mirror pod comes back at once; both are reported;
 //   - the node's budget: at most MaxEvictions per Window and never more than
 //     MaxFraction of the node's meshed pods (at least one) within the window;
-//   - its workload (controller owner) was not evicted before by this agent: the
-//     same workload escaping again after its replacement is reported, not evicted
-//     again (the cause is not the pod);
+//   - it is not its workload's replacement: a pod created after this agent
+//     evicted a pod of the same controller owner, escaping again, is reported, not
+//     evicted (the cause is not the pod);
 //   - the API server admits the eviction: a 429 (a PodDisruptionBudget allows no
 //     disruption now) or a 403 leaves the pod alone, logged and counted.
 //
@@ -114,31 +114,34 @@ const (
 type Budget struct {
 	l  Limits
 	mu sync.Mutex
-	// at: the evictions of the window; owners: workloads evicted once.
+	// at: the evictions of the window; owners: when each workload last had a pod
+	// evicted.
 	at     []time.Time
-	owners map[string]bool
+	owners map[string]time.Time
 	open   string // why the breaker opened ("": closed)
 }
 
 // NewBudget returns a closed budget.
 func NewBudget(l Limits) *Budget {
-	return &Budget{l: l.withDefaults(), owners: map[string]bool{}}
+	return &Budget{l: l.withDefaults(), owners: map[string]time.Time{}}
 }
 
 // Limits are the budget's (defaults filled in).
 func (b *Budget) Limits() Limits { return b.l }
 
-// Take asks to evict one pod of owner (a workload's kind/namespace/name) on a
-// node with meshed pods; Allowed counts the eviction. Tripped and BreakerOpen: the
-// breaker is open, reason says why (Tripped only the first time).
-func (b *Budget) Take(now time.Time, owner string, meshed int) (Verdict, string) {
+// Take asks to evict one pod of owner (a workload's kind/namespace/name), created
+// at created, on a node with meshed pods; Allowed counts the eviction. A pod
+// created after an eviction of its workload's pod is that workload's replacement
+// escaping again: OwnerRepeats. Tripped and BreakerOpen: the breaker is open,
+// reason says why (Tripped only the first time).
+func (b *Budget) Take(now time.Time, owner string, created time.Time, meshed int) (Verdict, string) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.open != "" {
 		return BreakerOpen, b.open
 	}
-	if b.owners[owner] {
-		return OwnerRepeats, fmt.Sprintf("workload %s was evicted before and escaped again: the cause is not the pod", owner)
+	if at, ok := b.owners[owner]; ok && !created.Before(at) {
+		return OwnerRepeats, fmt.Sprintf("workload %s had a pod evicted at %s and its pod created since escaped again: the cause is not the pod; not evicting it again", owner, at.Format(time.RFC3339))
 	}
 	keep := b.at[:0]
 	for _, t := range b.at {
@@ -153,7 +156,7 @@ func (b *Budget) Take(now time.Time, owner string, meshed int) (Verdict, string)
 		return Tripped, b.open
 	}
 	b.at = append(b.at, now)
-	b.owners[owner] = true
+	b.owners[owner] = now
 	return Allowed, ""
 }
 
