@@ -57,6 +57,8 @@ const (
 	ActionRepair = heal.Repair // re-apply the redirect in place
 	ActionReport = heal.Report // Event, metric, log; nothing changed
 	ActionEvict  = heal.Evict  // escaped pods only: evict, the controller recreates it
+	// ActionDelete is the name "delete" is accepted under: evict.
+	ActionDelete = heal.Evict
 )
 
 // ParseAction parses the drift action (repair or report).

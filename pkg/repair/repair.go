@@ -46,6 +46,8 @@ const (
 	ActionRepair = heal.Repair
 	ActionEvict  = heal.Evict
 	ActionLabel  = heal.Label
+	// ActionDelete is the name "delete" is accepted under: evict.
+	ActionDelete = heal.Evict
 )
 
 // Actions lists the valid actions.
