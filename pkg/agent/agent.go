@@ -21,6 +21,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/buildinfo"
 	"github.com/meshcni/meshcni/pkg/buildinfo/buildmetrics"
 	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
+	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/nodepods"
 	"github.com/meshcni/meshcni/pkg/podget"
@@ -55,6 +56,7 @@ type Agent struct {
 
 	kube      *Kube // nil: no API access
 	runnables []Runnable
+	evictor   *heal.Evictor // the audit's and the repair's one eviction path (repair.go)
 }
 
 // Options are the agent's injectable collaborators.
