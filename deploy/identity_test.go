@@ -363,7 +363,7 @@ func TestPluginIdentity(t *testing.T) {
 
 	t.Run("now: the plugin's own ServiceAccount", func(t *testing.T) {
 		holder := &install.Minted{API: e.inCluster("/nonexistent/token")}
-		pt := &agent.PluginToken{Client: agentCS, Namespace: idNS, ServiceAccount: "meshcni-plugin", NodeName: nodeA, Expiration: time.Hour, Holder: holder}
+		pt := &agent.PluginToken{TokenMinter: install.TokenMinter{Client: agentCS, Namespace: idNS, ServiceAccount: "meshcni-plugin", NodeName: nodeA, Expiration: time.Hour}, Holder: holder}
 		exp, err := pt.Mint(ctx)
 		if err != nil {
 			t.Fatalf("the agent mints the plugin's token with the chart's RBAC: %v", err)
