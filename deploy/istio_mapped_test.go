@@ -136,7 +136,11 @@ func mappedCases() map[string][]mappedCase {
 		},
 		"repair.enabled":    {{[]string{"repair.enabled=false"}, action(false, "")}},
 		"repair.repairPods": {{[]string{"repair.action=delete", "repair.repairPods=true", "repair.deletePods=true"}, action(true, repair.ActionRepair)}, {[]string{"repair.repairPods=false"}, action(false, "")}},
-		"repair.deletePods": {{[]string{"repair.repairPods=false", "repair.deletePods=true", "repair.labelPods=true"}, action(true, repair.ActionDelete)}},
+		"repair.deletePods": {
+			// evict (the agent's delete), once granted by name; else repaired in place.
+			{[]string{"repair.repairPods=false", "repair.deletePods=true", "repair.labelPods=true", "rbac.unfencedPodWrites={evict}"}, action(true, repair.ActionDelete)},
+			{[]string{"repair.repairPods=false", "repair.deletePods=true"}, action(true, repair.ActionRepair)},
+		},
 		"repair.labelPods":  {{[]string{"repair.repairPods=false", "repair.labelPods=true"}, action(true, repair.ActionLabel)}},
 		"repair.initContainerName": {{[]string{"repair.initContainerName=mesh-check"}, func(_ *testing.T, c *chart) error {
 			return expect(c.agentC.RepairInitContainer == "mesh-check", "init container %q", c.agentC.RepairInitContainer)
