@@ -141,7 +141,7 @@ func mappedCases() map[string][]mappedCase {
 			{[]string{"repair.repairPods=false", "repair.deletePods=true", "repair.labelPods=true", "rbac.unfencedPodWrites={evict}"}, action(true, repair.ActionDelete)},
 			{[]string{"repair.repairPods=false", "repair.deletePods=true"}, action(true, repair.ActionRepair)},
 		},
-		"repair.labelPods":  {{[]string{"repair.repairPods=false", "repair.labelPods=true"}, action(true, repair.ActionLabel)}},
+		"repair.labelPods": {{[]string{"repair.repairPods=false", "repair.labelPods=true"}, action(true, repair.ActionLabel)}},
 		"repair.initContainerName": {{[]string{"repair.initContainerName=mesh-check"}, func(_ *testing.T, c *chart) error {
 			return expect(c.agentC.RepairInitContainer == "mesh-check", "init container %q", c.agentC.RepairInitContainer)
 		}}},
