@@ -155,7 +155,7 @@ rbac.unfencedPodWrites alike.
 {{- end -}}
 {{- $evict := and $canEvict (or (eq $action "evict") (and $auditOn (eq $escaped "evict"))) -}}
 {{- $patch := and $canPatch (or $mark (eq $action "label")) -}}
-{{- toJson (dict "fenced" $fenced "patch" $patch "evict" $evict "mark" $mark "repairAction" $action "escaped" $escaped "degraded" $degraded "unfenced" (and (not $fenced) $patch)) -}}
+{{- toJson (dict "fenced" $fenced "patch" $patch "evict" $evict "mark" $mark "repairAction" $action "escaped" $escaped "degraded" $degraded) -}}
 {{- end -}}
 
 {{/*
