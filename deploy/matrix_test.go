@@ -83,6 +83,12 @@ func matrix() []matrixCase {
 			if _, ok := agentEnv(c)["KUBERNETES_SERVICE_HOST"]; ok {
 				t.Error("KUBERNETES_SERVICE_HOST set by default")
 			}
+			// The eviction budget's defaults are the agent's: nothing passed.
+			for k := range agentEnv(c) {
+				if strings.HasPrefix(k, "MESHCNI_HEAL_") {
+					t.Errorf("%s set by default", k)
+				}
+			}
 		}},
 		{name: "openshift-standalone", values: []string{"chained=false", "cniConfDir=/etc/cni/multus/net.d", "cniBinDir=/var/lib/cni/bin", "cniConfFileName=00-multus.conf", "securityContext.privileged=true"}, check: func(t *testing.T, c *chart) {
 			a := c.agentC
@@ -380,6 +386,10 @@ func TestSchemaRejects(t *testing.T) {
 		{"repair.action=nuke", "at '/repair/action': value must be one of 'repair', 'evict', 'delete', 'label'"},
 		{"audit.escapedAction=nuke", "at '/audit/escapedAction': value must be one of 'repair', 'evict', 'delete', 'report'"},
 		{"rbac.unfencedPodWrites={update}", "at '/rbac/unfencedPodWrites/0'"},
+		{"heal.maxEvictions=0", "at '/heal/maxEvictions'"},
+		{"heal.maxEvictFraction=1.5", "at '/heal/maxEvictFraction'"},
+		{"heal.maxEvictFraction=0", "at '/heal/maxEvictFraction'"},
+		{"heal.evictionWindow=soon", "at '/heal/evictionWindow'"},
 		{"repair.exitCode=300", "at '/repair/exitCode'"},
 		{"repair.initContainerName=Bad_Name", "at '/repair/initContainerName'"},
 		{"repair.netnsDirs={relative/dir}", "at '/repair/netnsDirs/0'"},
