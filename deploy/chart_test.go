@@ -474,6 +474,17 @@ func tolerates(ts []corev1.Toleration, taint corev1.Taint) bool {
 	return false
 }
 
+// evicts: an agent action value that evicts (evict, or its other name delete).
+func evicts(a string) bool { return a == "evict" || a == "delete" }
+
+// actionName is an agent action's name, delete read as evict.
+func actionName(a string) string {
+	if evicts(a) {
+		return "evict"
+	}
+	return a
+}
+
 // podVerbs are the verbs a ClusterRole grants on pods.
 func podVerbs(cr *rbacv1.ClusterRole) []string { return verbsOn(cr, "pods") }
 
@@ -546,8 +557,8 @@ func (c *chart) checkRBAC(t *testing.T) {
 			c.agentC.Repair, c.agentC.RepairAction, c.agentC.MarkRedirected)
 	}
 	var wantEvict []string
-	if c.agentC.Repair && c.agentC.RepairAction == repair.ActionDelete ||
-		c.agentC.AuditPeriod > 0 && c.agentC.AuditEscapedAction == "delete" {
+	if c.agentC.Repair && evicts(string(c.agentC.RepairAction)) ||
+		c.agentC.AuditPeriod > 0 && evicts(string(c.agentC.AuditEscapedAction)) {
 		wantEvict = []string{"create"}
 	}
 	if got := verbsOn(agentRole, "pods/eviction"); !slices.Equal(got, wantEvict) {

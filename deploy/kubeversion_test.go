@@ -10,8 +10,6 @@ import (
 	admissionv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
-
-	"github.com/meshcni/meshcni/pkg/repair"
 )
 
 // TestKubeVersions: `helm template --kube-version` on each supported Kubernetes. Where
@@ -25,24 +23,24 @@ func TestKubeVersions(t *testing.T) {
 		name   string
 		kube   string
 		values []string
-		policy bool // the agent's ValidatingAdmissionPolicy and binding rendered
-		patch  bool // pods patch granted
-		evict  bool // pods/eviction create granted
-		action repair.Action
+		policy bool   // the agent's ValidatingAdmissionPolicy and binding rendered
+		patch  bool   // pods patch granted
+		evict  bool   // pods/eviction create granted
+		action string // the agent's --repair-action (its delete read as evict)
 	}{
-		{name: "defaults", kube: "1.27", action: repair.ActionRepair},
-		{name: "defaults", kube: "1.29", action: repair.ActionRepair},
-		{name: "defaults", kube: "1.30", policy: true, patch: true, action: repair.ActionRepair},
-		{name: "defaults", kube: "1.35", policy: true, patch: true, action: repair.ActionRepair},
-		{name: "policies-off", kube: "1.35", values: []string{"admissionPolicies.enabled=false"}, action: repair.ActionRepair},
-		{name: "patch-opt-in", kube: "1.29", values: []string{"rbac.unfencedPodWrites={patch}"}, patch: true, action: repair.ActionRepair},
-		{name: "label-not-granted", kube: "1.29", values: []string{"repair.action=label"}, action: repair.ActionRepair},
-		{name: "label-opt-in", kube: "1.27", values: []string{"repair.action=label", "rbac.unfencedPodWrites={patch}"}, patch: true, action: repair.ActionLabel},
-		{name: "label-fenced", kube: "1.30", values: []string{"repair.action=label"}, policy: true, patch: true, action: repair.ActionLabel},
-		{name: "evict-not-granted", kube: "1.35", values: []string{"repair.action=evict", "audit.escapedAction=evict"}, policy: true, patch: true, action: repair.ActionRepair},
-		{name: "evict-opt-in", kube: "1.35", values: []string{"repair.action=evict", "rbac.unfencedPodWrites={evict}"}, policy: true, patch: true, evict: true, action: repair.ActionDelete},
-		{name: "evict-opt-in", kube: "1.27", values: []string{"repair.action=evict", "rbac.unfencedPodWrites={evict}"}, evict: true, action: repair.ActionDelete},
-		{name: "delete-alias-opt-in", kube: "1.29", values: []string{"audit.escapedAction=delete", "rbac.unfencedPodWrites={delete,patch}"}, patch: true, evict: true, action: repair.ActionRepair},
+		{name: "defaults", kube: "1.27", action: "repair"},
+		{name: "defaults", kube: "1.29", action: "repair"},
+		{name: "defaults", kube: "1.30", policy: true, patch: true, action: "repair"},
+		{name: "defaults", kube: "1.35", policy: true, patch: true, action: "repair"},
+		{name: "policies-off", kube: "1.35", values: []string{"admissionPolicies.enabled=false"}, action: "repair"},
+		{name: "patch-opt-in", kube: "1.29", values: []string{"rbac.unfencedPodWrites={patch}"}, patch: true, action: "repair"},
+		{name: "label-not-granted", kube: "1.29", values: []string{"repair.action=label"}, action: "repair"},
+		{name: "label-opt-in", kube: "1.27", values: []string{"repair.action=label", "rbac.unfencedPodWrites={patch}"}, patch: true, action: "label"},
+		{name: "label-fenced", kube: "1.30", values: []string{"repair.action=label"}, policy: true, patch: true, action: "label"},
+		{name: "evict-not-granted", kube: "1.35", values: []string{"repair.action=evict", "audit.escapedAction=evict"}, policy: true, patch: true, action: "repair"},
+		{name: "evict-opt-in", kube: "1.35", values: []string{"repair.action=evict", "rbac.unfencedPodWrites={evict}"}, policy: true, patch: true, evict: true, action: "evict"},
+		{name: "evict-opt-in", kube: "1.27", values: []string{"repair.action=evict", "rbac.unfencedPodWrites={evict}"}, evict: true, action: "evict"},
+		{name: "delete-alias-opt-in", kube: "1.29", values: []string{"audit.escapedAction=delete", "rbac.unfencedPodWrites={delete,patch}"}, patch: true, evict: true, action: "repair"},
 	} {
 		t.Run(tc.name+"-"+tc.kube, func(t *testing.T) {
 			c := load(t, append([]string{"--kube-version=" + tc.kube}, tc.values...))
@@ -69,10 +67,10 @@ func TestKubeVersions(t *testing.T) {
 			if c.agentC.MarkRedirected != tc.patch {
 				t.Errorf("agent --mark-redirected %v, want %v (pods patch granted: %v)", c.agentC.MarkRedirected, tc.patch, tc.patch)
 			}
-			if c.agentC.RepairAction != tc.action {
-				t.Errorf("agent --repair-action %s, want %s", c.agentC.RepairAction, tc.action)
+			if got := actionName(string(c.agentC.RepairAction)); got != tc.action {
+				t.Errorf("agent --repair-action %s, want %s", got, tc.action)
 			}
-			if tc.evict != (c.agentC.RepairAction == repair.ActionDelete || c.agentC.AuditEscapedAction == "delete") {
+			if tc.evict != (evicts(string(c.agentC.RepairAction)) || evicts(string(c.agentC.AuditEscapedAction))) {
 				t.Errorf("eviction granted %v, agent actions: repair %s, escaped %s", tc.evict, c.agentC.RepairAction, c.agentC.AuditEscapedAction)
 			}
 			p := c.find("ValidatingAdmissionPolicy", "meshcni-agent-pods")

@@ -137,12 +137,12 @@ func matrix() []matrixCase {
 		}},
 		{name: "repair-evict", values: []string{"repair.action=evict", "rbac.unfencedPodWrites={evict}"}, check: func(t *testing.T, c *chart) {
 			// The audit (on by default) still enters pods' network namespaces.
-			if c.agentC.RepairAction != repair.ActionDelete || !mountPaths(c)["/var/run/netns"] {
+			if !evicts(string(c.agentC.RepairAction)) || !mountPaths(c)["/var/run/netns"] {
 				t.Errorf("action %s, mounts %v (netns dirs are for the audit too)", c.agentC.RepairAction, mountPaths(c))
 			}
 		}},
 		{name: "repair-delete-alias", values: []string{"repair.action=delete", "rbac.unfencedPodWrites={delete}"}, check: func(t *testing.T, c *chart) {
-			if c.agentC.RepairAction != repair.ActionDelete {
+			if !evicts(string(c.agentC.RepairAction)) {
 				t.Errorf("action %s: delete is evict", c.agentC.RepairAction)
 			}
 		}},
@@ -162,12 +162,12 @@ func matrix() []matrixCase {
 			}
 		}},
 		{name: "audit-escaped-evict", values: []string{"audit.escapedAction=evict", "rbac.unfencedPodWrites={evict}"}, check: func(t *testing.T, c *chart) {
-			if c.agentC.AuditEscapedAction != "delete" {
+			if !evicts(string(c.agentC.AuditEscapedAction)) {
 				t.Errorf("escaped action %s, want the agent's delete (evict)", c.agentC.AuditEscapedAction)
 			}
 		}},
 		{name: "repair-evict-audit-off", values: []string{"repair.action=evict", "rbac.unfencedPodWrites={evict}", "audit.period=0s"}, check: func(t *testing.T, c *chart) {
-			if c.agentC.RepairAction != repair.ActionDelete || c.agentC.AuditPeriod != 0 || mountPaths(c)["/var/run/netns"] {
+			if !evicts(string(c.agentC.RepairAction)) || c.agentC.AuditPeriod != 0 || mountPaths(c)["/var/run/netns"] {
 				t.Errorf("action %s, audit period %s, mounts %v (netns dirs only for repair in place or the audit)", c.agentC.RepairAction, c.agentC.AuditPeriod, mountPaths(c))
 			}
 		}},
