@@ -243,7 +243,7 @@ func setAudit(ctx context.Context, t *testing.T, tb *testbed.Testbed, period, es
 	}
 	args := []string{"upgrade", demo.Release, filepath.Join(upRoot, demo.ChartDir), "--namespace", demo.ReleaseNamespace, "--reuse-values",
 		"--set-string", "audit.period=" + period, "--set-string", "audit.escapedAction=" + escaped, "--set-json", "rbac.unfencedPodWrites=[]"}
-	if escaped == string(audit.ActionDelete) || escaped == "evict" {
+	if escaped == "delete" || escaped == "evict" {
 		args[len(args)-1] = `rbac.unfencedPodWrites=["evict"]`
 	}
 	cmd := exec.CommandContext(ctx, helm, args...)
