@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -181,9 +182,21 @@ func load(t *testing.T, values []string) *chart {
 	c.checkAgent(t)
 	c.checkTaint(t)
 	c.checkRBAC(t)
-	c.checkPolicies(t, !slices.Contains(values, "admissionPolicies.enabled=false"))
+	c.checkPolicies(t, !slices.Contains(values, "admissionPolicies.enabled=false") && policyAPI(values))
 	c.checkServices(t)
 	return c
+}
+
+// policyAPI: does the rendering's Kubernetes (--kube-version, else Helm's default, newer
+// than 1.30) serve ValidatingAdmissionPolicy v1, i.e. is it 1.30 or newer?
+func policyAPI(values []string) bool {
+	for _, v := range values {
+		if kv, ok := strings.CutPrefix(v, "--kube-version="); ok {
+			minor, err := strconv.Atoi(strings.Split(strings.TrimPrefix(strings.TrimPrefix(kv, "v"), "1."), ".")[0])
+			return err == nil && minor >= 30
+		}
+	}
+	return true
 }
 
 var recommended = []string{
@@ -461,11 +474,25 @@ func tolerates(ts []corev1.Toleration, taint corev1.Taint) bool {
 	return false
 }
 
+// evicts: an agent action value that evicts (evict, or its other name delete).
+func evicts(a string) bool { return a == "evict" || a == "delete" }
+
+// actionName is an agent action's name, delete read as evict.
+func actionName(a string) string {
+	if evicts(a) {
+		return "evict"
+	}
+	return a
+}
+
 // podVerbs are the verbs a ClusterRole grants on pods.
-func podVerbs(cr *rbacv1.ClusterRole) []string {
+func podVerbs(cr *rbacv1.ClusterRole) []string { return verbsOn(cr, "pods") }
+
+// verbsOn are the verbs a ClusterRole grants on a core resource (or subresource).
+func verbsOn(cr *rbacv1.ClusterRole, resource string) []string {
 	var v []string
 	for _, r := range cr.Rules {
-		if slices.Contains(r.APIGroups, "") && slices.Contains(r.Resources, "pods") {
+		if slices.Contains(r.APIGroups, "") && slices.Contains(r.Resources, resource) {
 			v = append(v, r.Verbs...)
 		}
 	}
@@ -517,17 +544,25 @@ func (c *chart) checkRBAC(t *testing.T) {
 	if cr == nil {
 		t.Fatal("no ClusterRole meshcni-agent")
 	}
+	// Never pods delete: an evict action goes through pods/eviction (the agent's
+	// "delete" is its name for evict).
 	want := []string{"list", "watch"}
-	if c.agentC.Repair && c.agentC.RepairAction == repair.ActionDelete ||
-		c.agentC.AuditPeriod > 0 && c.agentC.AuditEscapedAction == "delete" {
-		want = append(want, "delete")
-	}
 	if c.agentC.MarkRedirected || c.agentC.Repair && c.agentC.RepairAction == repair.ActionLabel {
 		want = append(want, "patch")
 	}
 	sort.Strings(want)
-	if got := podVerbs(typed[rbacv1.ClusterRole](t, cr)); !slices.Equal(got, want) {
-		t.Errorf("agent pod verbs %v, want %v (repair %v, action %s; audit period %s, escaped action %s)", got, want,
+	agentRole := typed[rbacv1.ClusterRole](t, cr)
+	if got := podVerbs(agentRole); !slices.Equal(got, want) {
+		t.Errorf("agent pod verbs %v, want %v (repair %v, action %s; mark redirected %v)", got, want,
+			c.agentC.Repair, c.agentC.RepairAction, c.agentC.MarkRedirected)
+	}
+	var wantEvict []string
+	if c.agentC.Repair && evicts(string(c.agentC.RepairAction)) ||
+		c.agentC.AuditPeriod > 0 && evicts(string(c.agentC.AuditEscapedAction)) {
+		wantEvict = []string{"create"}
+	}
+	if got := verbsOn(agentRole, "pods/eviction"); !slices.Equal(got, wantEvict) {
+		t.Errorf("agent pods/eviction verbs %v, want %v (repair %v, action %s; audit period %s, escaped action %s)", got, wantEvict,
 			c.agentC.Repair, c.agentC.RepairAction, c.agentC.AuditPeriod, c.agentC.AuditEscapedAction)
 	}
 	c.checkPluginRBAC(t)

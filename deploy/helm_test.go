@@ -118,7 +118,13 @@ func templateArgs(ns string, values []string) []string {
 // render runs helm template and parses its output.
 func render(t testing.TB, ns string, values []string) (string, []*unstructured.Unstructured) {
 	t.Helper()
-	out, err := runHelm(t, templateArgs(ns, values)...)
+	return renderArgs(t, templateArgs(ns, values))
+}
+
+// renderArgs runs helm with args (a template command) and parses its output.
+func renderArgs(t testing.TB, args []string) (string, []*unstructured.Unstructured) {
+	t.Helper()
+	out, err := runHelm(t, args...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -193,7 +193,7 @@ func TestHelmInstall(t *testing.T) {
 		time.Sleep(2 * time.Second) // pods after the rollout too
 		names := stop()
 		a := auditPods(ctx, t, tb, names, 2*time.Minute)
-		t.Logf("upgrade %s (%v): rolled in %s; %d meshed pods created during it: %d redirected, %d unredirected (first: %v), %d deleted by meshcni's audit as escaped, %d did not start",
+		t.Logf("upgrade %s (%v): rolled in %s; %d meshed pods created during it: %d redirected, %d unredirected (first: %v), %d gone before their check, %d did not start",
 			what, sets, rolled.Round(time.Millisecond), len(names), len(a.redirected), len(a.unredirected), a.drift[:min(len(a.drift), 3)], len(a.deleted), len(a.notStarted))
 		deleteStream(ctx, t, tb)
 		return a
@@ -201,17 +201,19 @@ func TestHelmInstall(t *testing.T) {
 	// The problem: agents that remove the plugin when they stop (keepOnUpgrade never)
 	// leave a gap in which pods start unredirected. (never's first rollout is stopped
 	// by an auto agent, which keeps the plugin: the second one shows the gap.)
-	upgrade("to-never", false, "keepOnUpgrade=never")
-	// A pod that started in the gap is found unredirected, or already deleted by
-	// meshcni's audit (escaped: audit.escapedAction delete, the default).
-	if a := upgrade("never", true, "keepOnUpgrade=never", "podAnnotations.rollout=never"); len(a.unredirected)+len(a.deleted) == 0 {
+	// The audit only reports escaped pods here (audit.escapedAction report): its default,
+	// repair, would fix them in place and hide the gap.
+	upgrade("to-never", false, "keepOnUpgrade=never", "audit.escapedAction=report")
+	// A pod that started in the gap is found unredirected (or deleted, by an agent
+	// evicting escaped pods).
+	if a := upgrade("never", true, "keepOnUpgrade=never", "audit.escapedAction=report", "podAnnotations.rollout=never"); len(a.unredirected)+len(a.deleted) == 0 {
 		t.Errorf("keepOnUpgrade never: no pod started unredirected during the rollout (%d redirected, %d did not start): the gap this test guards against was not reproduced",
 			len(a.redirected), len(a.notStarted))
 	}
 	// The fix: auto (the default) keeps the plugin while the DaemonSet exists, and the
 	// new agent takes it over: every pod that started is redirected.
-	upgrade("to-auto", false, "logLevel=info")
-	a := upgrade("auto", true, "logLevel=info", "podAnnotations.rollout=auto")
+	upgrade("to-auto", false, "logLevel=info", "audit.escapedAction=report")
+	a := upgrade("auto", true, "logLevel=info", "audit.escapedAction=report", "podAnnotations.rollout=auto")
 	if len(a.unredirected) > 0 || len(a.deleted) > 0 || len(a.redirected) == 0 {
 		t.Errorf("keepOnUpgrade auto: %d pods started unredirected during the rollout %v, %d deleted by the audit as escaped %v, %d redirected",
 			len(a.unredirected), a.drift, len(a.deleted), a.deleted, len(a.redirected))

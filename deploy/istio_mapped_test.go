@@ -52,7 +52,8 @@ func mappedCases() map[string][]mappedCase {
 	}
 	action := func(enabled bool, want repair.Action) func(*testing.T, *chart) error {
 		return func(_ *testing.T, c *chart) error {
-			return expect(c.agentC.Repair == enabled && (!enabled || c.agentC.RepairAction == want), "repair %v %s, want %v %s", c.agentC.Repair, c.agentC.RepairAction, enabled, want)
+			got := actionName(string(c.agentC.RepairAction))
+			return expect(c.agentC.Repair == enabled && (!enabled || got == string(want)), "repair %v %s, want %v %s", c.agentC.Repair, got, enabled, want)
 		}
 	}
 	return map[string][]mappedCase{
@@ -136,8 +137,12 @@ func mappedCases() map[string][]mappedCase {
 		},
 		"repair.enabled":    {{[]string{"repair.enabled=false"}, action(false, "")}},
 		"repair.repairPods": {{[]string{"repair.action=delete", "repair.repairPods=true", "repair.deletePods=true"}, action(true, repair.ActionRepair)}, {[]string{"repair.repairPods=false"}, action(false, "")}},
-		"repair.deletePods": {{[]string{"repair.repairPods=false", "repair.deletePods=true", "repair.labelPods=true"}, action(true, repair.ActionDelete)}},
-		"repair.labelPods":  {{[]string{"repair.repairPods=false", "repair.labelPods=true"}, action(true, repair.ActionLabel)}},
+		"repair.deletePods": {
+			// evict (the agent's delete), once granted by name; else repaired in place.
+			{[]string{"repair.repairPods=false", "repair.deletePods=true", "repair.labelPods=true", "rbac.unfencedPodWrites={evict}"}, action(true, "evict")},
+			{[]string{"repair.repairPods=false", "repair.deletePods=true"}, action(true, repair.ActionRepair)},
+		},
+		"repair.labelPods": {{[]string{"repair.repairPods=false", "repair.labelPods=true"}, action(true, repair.ActionLabel)}},
 		"repair.initContainerName": {{[]string{"repair.initContainerName=mesh-check"}, func(_ *testing.T, c *chart) error {
 			return expect(c.agentC.RepairInitContainer == "mesh-check", "init container %q", c.agentC.RepairInitContainer)
 		}}},

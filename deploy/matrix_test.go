@@ -83,6 +83,12 @@ func matrix() []matrixCase {
 			if _, ok := agentEnv(c)["KUBERNETES_SERVICE_HOST"]; ok {
 				t.Error("KUBERNETES_SERVICE_HOST set by default")
 			}
+			// The eviction budget's defaults are the agent's: nothing passed.
+			for k := range agentEnv(c) {
+				if strings.HasPrefix(k, "MESHCNI_HEAL_") {
+					t.Errorf("%s set by default", k)
+				}
+			}
 		}},
 		{name: "openshift-standalone", values: []string{"chained=false", "cniConfDir=/etc/cni/multus/net.d", "cniBinDir=/var/lib/cni/bin", "cniConfFileName=00-multus.conf", "securityContext.privileged=true"}, check: func(t *testing.T, c *chart) {
 			a := c.agentC
@@ -118,20 +124,58 @@ func matrix() []matrixCase {
 				t.Errorf("config %+v, mounts %v", c.agentC, mountPaths(c))
 			}
 		}},
-		{name: "repair-delete", values: []string{"repair.action=delete"}, check: func(t *testing.T, c *chart) {
+		// evict (delete its alias) is granted only by name: no policy fences an Eviction.
+		{name: "repair-evict-not-granted", values: []string{"repair.action=evict"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.RepairAction != repair.ActionRepair || !mountPaths(c)["/var/run/netns"] {
+				t.Errorf("action %s, mounts %v: want repair in place without rbac.unfencedPodWrites evict", c.agentC.RepairAction, mountPaths(c))
+			}
+		}},
+		{name: "repair-delete-not-granted", values: []string{"repair.action=delete"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.RepairAction != repair.ActionRepair {
+				t.Errorf("action %s: want repair in place without rbac.unfencedPodWrites evict", c.agentC.RepairAction)
+			}
+		}},
+		{name: "repair-evict", values: []string{"repair.action=evict", "rbac.unfencedPodWrites={evict}"}, check: func(t *testing.T, c *chart) {
 			// The audit (on by default) still enters pods' network namespaces.
-			if c.agentC.RepairAction != repair.ActionDelete || !mountPaths(c)["/var/run/netns"] {
+			if !evicts(string(c.agentC.RepairAction)) || !mountPaths(c)["/var/run/netns"] {
 				t.Errorf("action %s, mounts %v (netns dirs are for the audit too)", c.agentC.RepairAction, mountPaths(c))
 			}
 		}},
-		{name: "audit-escaped-repair", values: []string{"audit.escapedAction=repair"}, check: func(t *testing.T, c *chart) {
+		{name: "repair-delete-alias", values: []string{"repair.action=delete", "rbac.unfencedPodWrites={delete}"}, check: func(t *testing.T, c *chart) {
+			if !evicts(string(c.agentC.RepairAction)) {
+				t.Errorf("action %s: delete is evict", c.agentC.RepairAction)
+			}
+		}},
+		{name: "audit-escaped-default", check: func(t *testing.T, c *chart) {
 			if c.agentC.AuditEscapedAction != "repair" || c.agentC.AuditPeriod.String() != "1m0s" {
 				t.Errorf("audit config %s %s", c.agentC.AuditEscapedAction, c.agentC.AuditPeriod)
 			}
 		}},
-		{name: "repair-delete-audit-off", values: []string{"repair.action=delete", "audit.period=0s"}, check: func(t *testing.T, c *chart) {
-			if c.agentC.RepairAction != repair.ActionDelete || c.agentC.AuditPeriod != 0 || mountPaths(c)["/var/run/netns"] {
+		{name: "audit-escaped-report", values: []string{"audit.escapedAction=report"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.AuditEscapedAction != "report" {
+				t.Errorf("escaped action %s", c.agentC.AuditEscapedAction)
+			}
+		}},
+		{name: "audit-escaped-evict-not-granted", values: []string{"audit.escapedAction=evict"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.AuditEscapedAction != "repair" {
+				t.Errorf("escaped action %s: want repair without rbac.unfencedPodWrites evict", c.agentC.AuditEscapedAction)
+			}
+		}},
+		{name: "audit-escaped-evict", values: []string{"audit.escapedAction=evict", "rbac.unfencedPodWrites={evict}"}, check: func(t *testing.T, c *chart) {
+			if !evicts(string(c.agentC.AuditEscapedAction)) {
+				t.Errorf("escaped action %s, want the agent's delete (evict)", c.agentC.AuditEscapedAction)
+			}
+		}},
+		{name: "repair-evict-audit-off", values: []string{"repair.action=evict", "rbac.unfencedPodWrites={evict}", "audit.period=0s"}, check: func(t *testing.T, c *chart) {
+			if !evicts(string(c.agentC.RepairAction)) || c.agentC.AuditPeriod != 0 || mountPaths(c)["/var/run/netns"] {
 				t.Errorf("action %s, audit period %s, mounts %v (netns dirs only for repair in place or the audit)", c.agentC.RepairAction, c.agentC.AuditPeriod, mountPaths(c))
+			}
+		}},
+		// Any zero duration turns the audit off, in the chart as in the agent: no netns
+		// mounts, no eviction grant for an escapedAction that never runs.
+		{name: "audit-off-0m", values: []string{"repair.enabled=false", "audit.period=0m", "audit.escapedAction=evict", "rbac.unfencedPodWrites={evict}"}, check: func(t *testing.T, c *chart) {
+			if c.agentC.AuditPeriod != 0 || mountPaths(c)["/var/run/netns"] {
+				t.Errorf("audit period %s, mounts %v: want the audit off and no netns mounts", c.agentC.AuditPeriod, mountPaths(c))
 			}
 		}},
 		{name: "repair-label", values: []string{"repair.action=label", "repair.labelKey=example.com/broken", `repair.labelSelector=app in (a\,b)`, "repair.fieldSelector=metadata.namespace!=batch"}, check: func(t *testing.T, c *chart) {
@@ -339,7 +383,13 @@ func TestSchemaRejects(t *testing.T) {
 		{"backend=foo", "at '/backend': value must be one of 'auto', 'nftables', 'iptables-nft', 'iptables-legacy'"},
 		{"backend=iptables", "at '/backend'"},
 		{"ipv6=pass", "at '/ipv6': value must be one of 'istio', 'capture', 'drop'"},
-		{"repair.action=nuke", "at '/repair/action': value must be one of 'repair', 'delete', 'label'"},
+		{"repair.action=nuke", "at '/repair/action': value must be one of 'repair', 'evict', 'delete', 'label'"},
+		{"audit.escapedAction=nuke", "at '/audit/escapedAction': value must be one of 'repair', 'evict', 'delete', 'report'"},
+		{"rbac.unfencedPodWrites={update}", "at '/rbac/unfencedPodWrites/0'"},
+		{"heal.maxEvictions=0", "at '/heal/maxEvictions'"},
+		{"heal.maxEvictFraction=1.5", "at '/heal/maxEvictFraction'"},
+		{"heal.maxEvictFraction=0", "at '/heal/maxEvictFraction'"},
+		{"heal.evictionWindow=soon", "at '/heal/evictionWindow'"},
 		{"repair.exitCode=300", "at '/repair/exitCode'"},
 		{"repair.initContainerName=Bad_Name", "at '/repair/initContainerName'"},
 		{"repair.netnsDirs={relative/dir}", "at '/repair/netnsDirs/0'"},

@@ -121,8 +121,8 @@ type audit struct {
 	redirected, unredirected, notStarted []string
 	drift                                []string // one line per unredirected pod
 	// deleted: gone before they could be checked. The test deletes none of them:
-	// meshcni's audit deleted them as escaped (started with no redirect, no
-	// validation init container; audit.escapedAction delete).
+	// meshcni's audit evicted them as escaped (started with no redirect, no
+	// validation init container; audit.escapedAction evict).
 	deleted []string
 }
 

@@ -67,6 +67,9 @@ type Options struct {
 	// how long a node may go without a heartbeat before it is NotReady (and its pods,
 	// through their tolerations, evicted). Zero keeps Kubernetes' default (50 s).
 	NodeMonitorGracePeriod time.Duration
+	// APIServerArgs are extra kube-apiserver flags, after the test bed's own (a later
+	// flag wins), e.g. a --runtime-config taking an API out of discovery.
+	APIServerArgs []string
 }
 
 // ErrRunning is returned by Start when another process runs a shared test bed
@@ -410,7 +413,7 @@ func (tb *Testbed) start(ctx context.Context, opts Options) error {
 		return err
 	}
 
-	apiserver, err := startComponent("kube-apiserver", tb.Binaries.Path("kube-apiserver"), apiserverArgs()...)
+	apiserver, err := startComponent("kube-apiserver", tb.Binaries.Path("kube-apiserver"), append(apiserverArgs(), opts.APIServerArgs...)...)
 	if err != nil {
 		return err
 	}

@@ -242,14 +242,16 @@ func (a *Agent) pluginCredential(opts Options) (install.KubeconfigSource, error)
 	}
 	holder := &install.Minted{API: ic}
 	a.PluginToken = &PluginToken{
-		Client:         opts.Kube.Client,
-		Namespace:      cfg.PodNamespace,
-		ServiceAccount: cfg.PluginServiceAccount,
-		NodeName:       cfg.NodeName,
-		Expiration:     cfg.PluginTokenExpiration,
-		Holder:         holder,
-		Log:            a.Log.With("component", "plugin-token"),
-		Metrics:        a.Metrics,
+		TokenMinter: install.TokenMinter{
+			Client:         opts.Kube.Client,
+			Namespace:      cfg.PodNamespace,
+			ServiceAccount: cfg.PluginServiceAccount,
+			NodeName:       cfg.NodeName,
+			Expiration:     cfg.PluginTokenExpiration,
+			Log:            a.Log.With("component", "plugin-token"),
+		},
+		Holder:  holder,
+		Metrics: a.Metrics,
 	}
 	return holder, nil
 }

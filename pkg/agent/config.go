@@ -181,7 +181,7 @@ func (c *Config) flagSet(usage io.Writer) (fs *pflag.FlagSet, finish func() erro
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig of the agent's own API client (Events, the node's pods); default: the pod's in-cluster service account")
 	fs.StringVar(&c.KubeconfigSource, "kubeconfig-source", "", "kubeconfig to give the plugin (outside a pod); default: build one from the pod's service account")
 	fs.StringVar(&c.PluginServiceAccount, "plugin-service-account", DefaultPluginServiceAccount, "ServiceAccount (in --pod-namespace) whose token the plugin's kubeconfig holds: the agent mints it through the TokenRequest API, bound to its Node, and renews it; empty (--plugin-service-account=): the agent's own token, which can list every pod (warned at start)")
-	fs.DurationVar(&c.PluginTokenExpiration, "plugin-token-expiration", time.Hour, "lifetime requested for the plugin's token (at least 10m; the API server may shorten it); renewed at 70-80 % of the lifetime granted")
+	fs.DurationVar(&c.PluginTokenExpiration, "plugin-token-expiration", time.Hour, "lifetime requested for the plugin's token (10m to 24h; the API server may shorten it); renewed at 70-80 % of the lifetime granted")
 	fs.StringVar(&c.TokenFile, "token-file", install.DefaultTokenFile, "service-account token file (in a pod)")
 	fs.StringVar(&c.CAFile, "ca-file", install.DefaultCAFile, "service-account CA file (in a pod)")
 	fs.StringVar(&excl, "exclude-namespaces", "kube-system", "comma-separated namespaces whose pods the plugin leaves alone")
@@ -297,8 +297,8 @@ func (c *Config) validate() error {
 			return fmt.Errorf("--plugin-service-account %q: %s", c.PluginServiceAccount, strings.Join(errs, "; "))
 		}
 	}
-	if c.PluginTokenExpiration < MinTokenExpiration {
-		return fmt.Errorf("--plugin-token-expiration %v: want at least %v (the API server's minimum)", c.PluginTokenExpiration, MinTokenExpiration)
+	if err := install.CheckTokenExpiration(c.PluginTokenExpiration); err != nil {
+		return fmt.Errorf("--plugin-token-expiration: %w (the API server's minimum; the longest a copy of the plugin's kubeconfig stays valid)", err)
 	}
 	if c.ConflictThreshold < 0 {
 		return fmt.Errorf("--conflict-threshold %d: want 0 or more", c.ConflictThreshold)

@@ -69,7 +69,9 @@ func TestPluginTokenFlags(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"--plugin-token-expiration", "9m59s"}, "at least 10m0s"},
+		{[]string{"--plugin-token-expiration", "9m59s"}, "want 10m0s to 24h0m0s"},
+		{[]string{"--plugin-token-expiration", "24h0m1s"}, "want 10m0s to 24h0m0s"},
+		{[]string{"--plugin-token-expiration", "720h"}, "--plugin-token-expiration"},
 		{[]string{"--plugin-service-account", "Not_A_Name"}, "--plugin-service-account"},
 	} {
 		if _, err := ParseFlags(append(base, tc.args...), func(string) string { return "" }, io.Discard); err == nil || !strings.Contains(err.Error(), tc.want) {

@@ -46,7 +46,8 @@ const escapePeriod = 2 * time.Second
 // validation-free meshed pod (the real webhook, the shipped template) starts: its
 // sandbox is created without meshcni, so its netns holds no meshcni rule and it has
 // no marker label. The agent is resumed (SIGCONT) and restores the conflist itself.
-// With audit.escapedAction delete (the default) the audit deletes the pod with a
+// With audit.escapedAction delete (evict; the chart grants it by name,
+// rbac.unfencedPodWrites evict) the audit evicts the pod with a
 // Warning Event MeshcniEscapedPod naming it, meshcni_drift_detected_total{reason=
 // "no-redirect"} moves, and the Deployment's replacement is redirected (rules as its
 // annotations give, the marker label, the app's connection captured by its proxy on
@@ -232,7 +233,8 @@ func chartAuditDefaults(t *testing.T) (period, escaped string) {
 }
 
 // setAudit sets the chart's audit.period and audit.escapedAction (helm upgrade
-// --reuse-values) and waits for the agent pod running with them.
+// --reuse-values; delete or evict with the grant the chart asks for by name,
+// rbac.unfencedPodWrites evict) and waits for the agent pod running with them.
 func setAudit(ctx context.Context, t *testing.T, tb *testbed.Testbed, period, escaped string) {
 	t.Helper()
 	helm, err := demo.HelmPath(ctx, upRoot)
@@ -240,7 +242,10 @@ func setAudit(ctx context.Context, t *testing.T, tb *testbed.Testbed, period, es
 		t.Fatal(err)
 	}
 	args := []string{"upgrade", demo.Release, filepath.Join(upRoot, demo.ChartDir), "--namespace", demo.ReleaseNamespace, "--reuse-values",
-		"--set-string", "audit.period=" + period, "--set-string", "audit.escapedAction=" + escaped}
+		"--set-string", "audit.period=" + period, "--set-string", "audit.escapedAction=" + escaped, "--set-json", "rbac.unfencedPodWrites=[]"}
+	if escaped == "delete" || escaped == "evict" {
+		args[len(args)-1] = `rbac.unfencedPodWrites=["evict"]`
+	}
 	cmd := exec.CommandContext(ctx, helm, args...)
 	cmd.Env = append(os.Environ(), "KUBECONFIG="+testbed.KubeconfigPath())
 	if out, err := cmd.CombinedOutput(); err != nil {

@@ -86,12 +86,84 @@ The user name of a ServiceAccount of the release in admission requests. Call wit
 {{- end -}}
 
 {{/*
-Does the repair controller act through the API on pods? Returns "delete", "patch" or "".
+"true" when admissionPolicies.enabled and the cluster serves ValidatingAdmissionPolicy
+(admissionregistration.k8s.io/v1, Kubernetes 1.30 or newer): the policies are shipped and
+fence the agent's pod patches to its node and its two labels. Against a cluster (helm
+install, upgrade, template --validate) discovery decides; without one (helm template,
+whose default API set names no kinds, not even v1/Pod) the Kubernetes version does
+(--kube-version), or --api-versions admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy.
 */}}
-{{- define "meshcni.repairPodVerb" -}}
-{{- if .Values.repair.enabled -}}
-{{- if eq .Values.repair.action "delete" -}}delete{{- else if eq .Values.repair.action "label" -}}patch{{- end -}}
+{{- define "meshcni.policiesServed" -}}
+{{- $caps := .Capabilities -}}
+{{- $served := $caps.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" -}}
+{{- if and (not $served) (not ($caps.APIVersions.Has "v1/Pod")) -}}
+{{- $served = semverCompare ">=1.30.0-0" $caps.KubeVersion.Version -}}
 {{- end -}}
+{{- if and .Values.admissionPolicies.enabled $served }}true{{ end -}}
+{{- end -}}
+
+{{/*
+The agent's writes to pods, as JSON: what the values ask for, what RBAC grants and what
+the agent is told to do.
+  fenced        the admission policy fences pod patches to the agent's node
+  patch         grant pods patch (fenced, or rbac.unfencedPodWrites names patch)
+  evict         grant pods/eviction create (an evict action chosen and
+                rbac.unfencedPodWrites names evict: no admission policy can fence an
+                eviction to a node, the Eviction names no node)
+  mark          the agent's --mark-redirected
+  repairAction  the agent's --repair-action ("" with the repair controller off)
+  escaped       the agent's --audit-escaped-action
+  degraded      what the values asked that the grants do not allow, one line each (NOTES)
+delete is an alias of evict, in repair.action, audit.escapedAction and
+rbac.unfencedPodWrites alike.
+*/}}
+{{- define "meshcni.podWrites" -}}
+{{- $fenced := eq (include "meshcni.policiesServed" .) "true" -}}
+{{- $opt := list -}}
+{{- range ((.Values.rbac | default dict).unfencedPodWrites | default list) -}}
+{{- $opt = append $opt (eq . "delete" | ternary "evict" .) -}}
+{{- end -}}
+{{- $canPatch := or $fenced (has "patch" $opt) -}}
+{{- $canEvict := has "evict" $opt -}}
+{{- $why := $fenced | ternary "" "this cluster serves no ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1, Kubernetes 1.30+) or admissionPolicies.enabled is false, so nothing would fence it to the agent's node" -}}
+{{- $degraded := list -}}
+{{- $action := "" -}}
+{{- if .Values.repair.enabled -}}
+{{- $action = .Values.repair.action | default "repair" -}}
+{{- if eq $action "delete" -}}{{- $action = "evict" -}}{{- end -}}
+{{- if and (eq $action "evict") (not $canEvict) -}}
+{{- $degraded = append $degraded "repair.action evict needs pods/eviction create, which no admission policy can fence to the agent's node: the repair controller repairs broken pods in place instead (set rbac.unfencedPodWrites={evict} to evict)" -}}
+{{- $action = "repair" -}}
+{{- end -}}
+{{- if and (eq $action "label") (not $canPatch) -}}
+{{- $degraded = append $degraded (printf "repair.action label needs pods patch, and %s: the repair controller repairs broken pods in place instead (set rbac.unfencedPodWrites={patch} to label)" $why) -}}
+{{- $action = "repair" -}}
+{{- end -}}
+{{- end -}}
+{{- $escaped := (.Values.audit | default dict).escapedAction | default "repair" -}}
+{{- if eq $escaped "delete" -}}{{- $escaped = "evict" -}}{{- end -}}
+{{- $auditOn := eq (include "meshcni.auditOn" .) "true" -}}
+{{- if and (eq $escaped "evict") (not $canEvict) -}}
+{{- if $auditOn -}}
+{{- $degraded = append $degraded "audit.escapedAction evict needs pods/eviction create, which no admission policy can fence to the agent's node: the audit repairs escaped pods in place instead (set rbac.unfencedPodWrites={evict} to evict)" -}}
+{{- end -}}
+{{- $escaped = "repair" -}}
+{{- end -}}
+{{- $mark := $canPatch -}}
+{{- if not $canPatch -}}
+{{- $degraded = append $degraded (printf "the agent does not label redirected pods meshcni.io/redirected=true (--mark-redirected=false): it needs pods patch, and %s (set rbac.unfencedPodWrites={patch} to label them)" $why) -}}
+{{- end -}}
+{{- $evict := and $canEvict (or (eq $action "evict") (and $auditOn (eq $escaped "evict"))) -}}
+{{- $patch := and $canPatch (or $mark (eq $action "label")) -}}
+{{- toJson (dict "fenced" $fenced "patch" $patch "evict" $evict "mark" $mark "repairAction" $action "escaped" $escaped "degraded" $degraded) -}}
+{{- end -}}
+
+{{/*
+An action as the agent's flags name it: evict is passed as delete, the name every agent
+version reads (the agent takes delete as evict).
+*/}}
+{{- define "meshcni.agentAction" -}}
+{{- eq . "evict" | ternary "delete" . -}}
 {{- end -}}
 
 {{/*
@@ -113,8 +185,8 @@ scheduled on (e.g. a Windows node) is never tainted. "" when both are empty: eve
 
 {{/*
 "true" when the agent's audit runs (audit.period not 0), else "": the audit enters pods'
-network namespaces and, with escapedAction delete, deletes escaped pods.
+network namespaces and, with escapedAction evict, evicts escaped pods.
 */}}
 {{- define "meshcni.auditOn" -}}
-{{- if and .Values.audit (not (has (toString (.Values.audit.period | default "60s")) (list "0" "0s"))) }}true{{ end -}}
+{{- if and .Values.audit (not (regexMatch "^(0+(\\.0*)?(ns|us|µs|ms|s|m|h)?)+$" (toString (.Values.audit.period | default "60s")))) }}true{{ end -}}
 {{- end }}

@@ -123,7 +123,7 @@ Repair: Istio's three booleans, label key, legacy exit code and message, netns d
 {{- $r := .Values.repair -}}
 {{- if or (hasKey $r "repairPods") (hasKey $r "deletePods") (hasKey $r "labelPods") -}}
 {{- if $r.repairPods -}}{{- $_ := set $r "action" "repair" -}}
-{{- else if $r.deletePods -}}{{- $_ := set $r "action" "delete" -}}
+{{- else if $r.deletePods -}}{{- $_ := set $r "action" "evict" -}}
 {{- else if $r.labelPods -}}{{- $_ := set $r "action" "label" -}}
 {{- else -}}{{- /* Istio's repair controller then acts on no pod. */ -}}{{- $_ := set $r "enabled" false -}}
 {{- end -}}
