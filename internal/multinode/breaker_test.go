@@ -98,7 +98,9 @@ func TestBreakerThreeNodes(t *testing.T) {
 		restored = true
 		rctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 		defer cancel()
-		if err := update(rctx, c, ds0.Name, func(ds *appsv1.DaemonSet) { ds.Spec.Template, ds.Spec.UpdateStrategy = ds0.Spec.Template, ds0.Spec.UpdateStrategy }); err != nil {
+		if err := update(rctx, c, ds0.Name, func(ds *appsv1.DaemonSet) {
+			ds.Spec.Template, ds.Spec.UpdateStrategy = ds0.Spec.Template, ds0.Spec.UpdateStrategy
+		}); err != nil {
 			t.Errorf("restore the DaemonSet: %v", err)
 		}
 		if err := c.WaitRolledOut(rctx); err != nil {
@@ -118,7 +120,9 @@ func TestBreakerThreeNodes(t *testing.T) {
 	})
 
 	// The controller in always mode; it restarts and takes the Lease.
-	if err := updateDeployment(ctx, c, func(d *appsv1.Deployment) { setEnv(&d.Spec.Template.Spec.Containers[0], "MESHCNI_TAINT_MODE", "always") }); err != nil {
+	if err := updateDeployment(ctx, c, func(d *appsv1.Deployment) {
+		setEnv(&d.Spec.Template.Spec.Containers[0], "MESHCNI_TAINT_MODE", "always")
+	}); err != nil {
 		t.Fatal(err)
 	}
 	ctrl, err := taintPod(ctx, c)
