@@ -540,11 +540,41 @@ func TestAdmissionFencing(t *testing.T) {
 		if !taint.HasTaint(n) {
 			t.Fatalf("node taints %v", n.Spec.Taints)
 		}
+		ann := func(v any) []byte {
+			return mergePatch(t, map[string]any{"metadata": map[string]any{"annotations": map[string]any{taint.MarkAnnotation: v}}})
+		}
+		denied(t, "its mark with a value that is no time", patchNode(ctx, taintCS, nodeA, ann("x")), "may only add the annotation "+taint.MarkAnnotation)
+		denied(t, "another annotation", patchNode(ctx, taintCS, nodeA, mergePatch(t, map[string]any{"metadata": map[string]any{"annotations": map[string]string{"evil.example/x": "y"}}})),
+			"changes other annotations")
+		mark := taint.MarkValue(time.Now())
+		body, changed, err := taint.NodePatch(n, taint.Remove, mark)
+		if err != nil || !changed {
+			t.Fatalf("NodePatch: %v, changed %v", err, changed)
+		}
+		allowed(t, "remove its taint and mark the node (the controller's patch)", patchNode(ctx, taintCS, nodeA, body))
+		n = get()
+		if taint.HasTaint(n) || n.Annotations[taint.MarkAnnotation] != mark {
+			t.Errorf("node taints %v, annotations %v", n.Spec.Taints, n.Annotations)
+		}
+		denied(t, "change its mark", patchNode(ctx, taintCS, nodeA, ann("2000-01-01T00:00:00Z")), "changes other annotations")
+		denied(t, "remove its mark", patchNode(ctx, taintCS, nodeA, ann(nil)), "changes other annotations")
+		with, _ = taint.WithTaint(n.Spec.Taints, true)
+		allowed(t, "add its taint to a marked node", patchNode(ctx, taintCS, nodeA, taintPatchOf(t, n, with)))
+		n = get()
 		without, _ := taint.WithTaint(n.Spec.Taints, false)
 		allowed(t, "remove its taint (the controller's patch)", patchNode(ctx, taintCS, nodeA, taintPatchOf(t, n, without)))
 		if taint.HasTaint(get()) {
 			t.Error("taint still there")
 		}
+		nb, err := e.admin.CoreV1().Nodes().Get(ctx, nodeB, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, changed, err = taint.NodePatch(nb, taint.None, mark)
+		if err != nil || !changed {
+			t.Fatalf("NodePatch: %v, changed %v", err, changed)
+		}
+		allowed(t, "mark a node without a taint change (the controller's patch)", patchNode(ctx, taintCS, nodeB, body))
 		forbidden(t, "delete a node", taintCS.CoreV1().Nodes().Delete(ctx, nodeB, metav1.DeleteOptions{}))
 	})
 }

@@ -214,10 +214,14 @@ func matrix() []matrixCase {
 			}
 		}},
 		{name: "taint-single", values: []string{"taintController.replicas=1", "taintController.leaderElect=false", "taintController.hostNetwork=true",
-			"taintController.gracePeriod=1m30s", "taintController.taintNewNodes=false", "taintController.nodeSelectorLabels=pool=meshed", "taintController.logLevel=debug"}, check: func(t *testing.T, c *chart) {
+			"taintController.gracePeriod=1m30s", "taintController.taintNewNodes=false", "taintController.nodeSelectorLabels=pool=meshed", "taintController.logLevel=debug",
+			"taintController.taintMode=always", "taintController.maxTaintedFraction=0.25", "taintController.maxTaintedFloor=3"}, check: func(t *testing.T, c *chart) {
 			tc := c.taintC
 			if tc.LeaderElect || tc.GracePeriod.String() != "1m30s" || tc.TaintNewNodes || tc.NodeSelector.String() != "pool=meshed" || tc.LogLevel.String() != "DEBUG" {
 				t.Errorf("taint config %+v", tc)
+			}
+			if tc.TaintMode != taint.Always || tc.MaxTaintedFraction != 0.25 || tc.MaxTaintedFloor != 3 {
+				t.Errorf("taint mode %s, fraction %v, floor %d; want always, 0.25, 3", tc.TaintMode, tc.MaxTaintedFraction, tc.MaxTaintedFloor)
 			}
 			if !c.taint.Spec.Template.Spec.HostNetwork || c.find("Role", "meshcni-taint-controller") == nil {
 				t.Errorf("hostNetwork %v", c.taint.Spec.Template.Spec.HostNetwork)
@@ -404,6 +408,10 @@ func TestSchemaRejects(t *testing.T) {
 		{"metrics.port=0", "at '/metrics/port'"},
 		{"metrics.port=70000", "at '/metrics/port'"},
 		{"taintController.gracePeriod=soon", "at '/taintController/gracePeriod'"},
+		{"taintController.taintMode=never", "at '/taintController/taintMode'"},
+		{"taintController.maxTaintedFraction=1.5", "at '/taintController/maxTaintedFraction'"},
+		{"taintController.maxTaintedFraction=10%", "at '/taintController/maxTaintedFraction'"},
+		{"taintController.maxTaintedFloor=-1", "at '/taintController/maxTaintedFloor'"},
 		{"taintController.leaderElect=false", "at '/taintController/replicas'"},
 		{"apiServer.port=-1", "at '/apiServer/port'"},
 		{"keepOnUpgrade=maybe", "at '/keepOnUpgrade'"},

@@ -1,6 +1,8 @@
-// Command meshcni-taint-controller keeps the taint cni.istio.io/not-ready:NoSchedule on
-// every node whose meshcni agent pod is not Ready (a Deployment with leader election).
-// See docs/taint.md.
+// Command meshcni-taint-controller puts the taint cni.istio.io/not-ready:NoSchedule on a
+// node whose meshcni agent pod is not Ready (by default only a joining node, whose agent
+// was never Ready there; never more than --max-tainted-fraction of the nodes) and
+// removes it once the agent pod is Ready (a Deployment with leader election). See
+// docs/taint.md.
 package main
 
 import (

@@ -32,7 +32,7 @@ func input(t *testing.T) Input {
 	return Input{
 		Binaries: []Binary{
 			{Name: "meshcni-agent", EnvPrefix: agent.EnvPrefix, Doc: "The node agent (DaemonSet): installs and guards the plugin, serves health and metrics, repairs pods.", Flags: agent.FlagSet()},
-			{Name: "meshcni-taint-controller", EnvPrefix: taint.EnvPrefix, Doc: "The taint controller (Deployment, leader-elected): keeps `cni.istio.io/not-ready:NoSchedule` on nodes whose agent is not Ready.", Flags: taint.FlagSet()},
+			{Name: "meshcni-taint-controller", EnvPrefix: taint.EnvPrefix, Doc: "The taint controller (Deployment, leader-elected): puts `cni.istio.io/not-ready:NoSchedule` on nodes whose agent is not Ready (joining nodes only by default; never more than `--max-tainted-fraction` of them).", Flags: taint.FlagSet()},
 		},
 		Values:          values,
 		ValuesPath:      "deploy/charts/meshcni/values.yaml",

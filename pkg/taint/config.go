@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"os"
 	"strconv"
@@ -34,8 +35,15 @@ type Config struct {
 	NodeSelector   labels.Selector // labels.Everything(): every node
 	TaintNewNodes  bool
 	GracePeriod    time.Duration
-	Workers        int
-	Resync         time.Duration // 0: no periodic re-check
+	// TaintMode: Joining (the zero value) or Always.
+	TaintMode Mode
+	// MaxTaintedFraction and MaxTaintedFloor bound the tainted managed nodes: at most
+	// Limit(managed, MaxTaintedFraction, MaxTaintedFloor). 1 and 0: no bound; 0 and 0:
+	// the controller only removes the taint.
+	MaxTaintedFraction float64
+	MaxTaintedFloor    int
+	Workers            int
+	Resync             time.Duration // 0: no periodic re-check
 
 	LeaderElect    bool
 	LeaseName      string
@@ -55,7 +63,9 @@ type Config struct {
 }
 
 // Policy is the decision's part of the configuration.
-func (c *Config) Policy() Policy { return Policy{Grace: c.GracePeriod, TaintNewNodes: c.TaintNewNodes} }
+func (c *Config) Policy() Policy {
+	return Policy{Grace: c.GracePeriod, TaintNewNodes: c.TaintNewNodes, Mode: c.TaintMode}
+}
 
 // ParseFlags reads the configuration from args and the environment (getenv): a flag
 // beats its MESHCNI_* variable, which beats the default. POD_NAMESPACE (downward API)
@@ -90,9 +100,11 @@ func (c *Config) flagSet(podNS string, usage io.Writer) (fs *pflag.FlagSet, fini
 	fs = pflag.NewFlagSet("meshcni-taint-controller", pflag.ContinueOnError)
 	fs.SetOutput(usage)
 	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), `meshcni-taint-controller keeps the taint %s:%s on every node whose meshcni agent
-pod is not Ready, and removes it once the agent pod on that node is Ready. Run it as its own
-Deployment (2 replicas, leader election through a Lease); see docs/taint.md.
+		fmt.Fprintf(fs.Output(), `meshcni-taint-controller puts the taint %s:%s on a node whose meshcni agent
+pod has never been Ready there (a joining node; --taint-mode=always: any node whose agent pod
+is not Ready), never on more than --max-tainted-fraction of the nodes, and removes it once
+the agent pod on that node is Ready. Run it as its own Deployment (2 replicas, leader
+election through a Lease); see docs/taint.md.
 
 Usage: meshcni-taint-controller [flags]
 
@@ -100,13 +112,16 @@ Flags (each also read from the environment variable named in brackets):
 `, TaintKey, TaintEffect)
 		fs.PrintDefaults()
 	}
-	var agentSel, nodeSel, logLevel string
+	var agentSel, nodeSel, logLevel, mode string
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig of the API client; default: the pod's in-cluster service account")
 	fs.StringVar(&c.AgentNamespace, "agent-namespace", podNS, "namespace of the meshcni agent pods (default: $POD_NAMESPACE)")
 	fs.StringVar(&agentSel, "agent-selector", DefaultAgentSelector, "label selector of the meshcni agent pods; a pod counts for the node in its spec.nodeName")
 	fs.StringVar(&nodeSel, "node-selector", "", "label selector of the nodes to manage; default: every node. Other nodes are never touched")
 	fs.BoolVar(&c.TaintNewNodes, "taint-new-nodes", true, "taint a new node (created at most --grace-period before it is first seen) that has no Ready agent pod at once; false: only after --grace-period")
 	fs.DurationVar(&c.GracePeriod, "grace-period", 30*time.Second, "how long a node may be without a Ready agent pod before it is tainted (covers a rolling update of the agent)")
+	fs.StringVar(&mode, "taint-mode", "joining", "which nodes get the taint: joining (only nodes whose agent pod was never Ready there, remembered in the node annotation "+MarkAnnotation+") or always (any node whose agent pod is not Ready past --grace-period)")
+	fs.Float64Var(&c.MaxTaintedFraction, "max-tainted-fraction", 0.1, "never taint more than this fraction of the managed nodes (rounded down, at least --max-tainted-floor): past it the controller adds no taint, reports, and still removes taints (0 to 1; 1: no limit)")
+	fs.IntVar(&c.MaxTaintedFloor, "max-tainted-floor", 1, "the limit of tainted nodes is never below this many, so that a small cluster can taint a joining node")
 	fs.IntVar(&c.Workers, "workers", 4, "nodes reconciled in parallel")
 	fs.DurationVar(&c.Resync, "resync", 10*time.Minute, "re-check every node this often, in case an event was missed (0: never)")
 	fs.BoolVar(&c.LeaderElect, "leader-elect", true, "elect one active replica through a Lease; false: act at once (one replica only!)")
@@ -128,6 +143,9 @@ Flags (each also read from the environment variable named in brackets):
 			return err
 		}
 		var err error
+		if c.TaintMode, err = ParseMode(mode); err != nil {
+			return err
+		}
 		if c.AgentSelector, err = labels.Parse(agentSel); err != nil {
 			return fmt.Errorf("--agent-selector %q: %w", agentSel, err)
 		}
@@ -171,6 +189,15 @@ func (c *Config) Validate() error {
 	}
 	if c.GracePeriod < 0 {
 		return fmt.Errorf("--grace-period %v: want 0 or more", c.GracePeriod)
+	}
+	if math.IsNaN(c.MaxTaintedFraction) || c.MaxTaintedFraction < 0 || c.MaxTaintedFraction > 1 {
+		return fmt.Errorf("--max-tainted-fraction %v: want 0 to 1", c.MaxTaintedFraction)
+	}
+	if c.MaxTaintedFloor < 0 {
+		return fmt.Errorf("--max-tainted-floor %d: want 0 or more", c.MaxTaintedFloor)
+	}
+	if c.TaintMode != Joining && c.TaintMode != Always {
+		return fmt.Errorf("--taint-mode %d: want joining or always", c.TaintMode)
 	}
 	if c.Resync < 0 {
 		return fmt.Errorf("--resync %v: want 0 or more", c.Resync)

@@ -29,6 +29,9 @@ func TestParseFlags(t *testing.T) {
 			if !c.TaintNewNodes || c.GracePeriod != 30*time.Second || !c.LeaderElect || c.HealthAddr != ":9808" || c.Workers != 4 {
 				t.Errorf("defaults: %+v", c)
 			}
+			if c.TaintMode != Joining || c.MaxTaintedFraction != 0.1 || c.MaxTaintedFloor != 1 {
+				t.Errorf("breaker defaults: mode %s, fraction %v, floor %d; want joining, 0.1, 1", c.TaintMode, c.MaxTaintedFraction, c.MaxTaintedFloor)
+			}
 			if !strings.Contains(c.Identity, "_") || len(c.Identity) < 10 {
 				t.Errorf("identity %q: want host_random", c.Identity)
 			}
@@ -54,6 +57,25 @@ func TestParseFlags(t *testing.T) {
 				t.Errorf("got %+v", c)
 			}
 		}},
+		{name: "taint mode and limits from env and flags",
+			env:  map[string]string{"POD_NAMESPACE": "x", "MESHCNI_TAINT_MODE": "always", "MESHCNI_MAX_TAINTED_FRACTION": "0.25"},
+			args: []string{"--max-tainted-floor", "3"},
+			check: func(t *testing.T, c *Config) {
+				if c.TaintMode != Always || c.MaxTaintedFraction != 0.25 || c.MaxTaintedFloor != 3 || c.Policy().Mode != Always {
+					t.Errorf("got mode %s, fraction %v, floor %d", c.TaintMode, c.MaxTaintedFraction, c.MaxTaintedFloor)
+				}
+			}},
+		{name: "remove only (0 and 0)", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--max-tainted-fraction", "0", "--max-tainted-floor", "0"}, check: func(t *testing.T, c *Config) {
+			if Limit(1000, c.MaxTaintedFraction, c.MaxTaintedFloor) != 0 {
+				t.Errorf("limit %d", Limit(1000, c.MaxTaintedFraction, c.MaxTaintedFloor))
+			}
+		}},
+		{name: "bad taint mode", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--taint-mode", "never"}, wantErr: `--taint-mode "never": want joining or always`},
+		{name: "fraction above 1", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--max-tainted-fraction", "1.5"}, wantErr: "--max-tainted-fraction 1.5: want 0 to 1"},
+		{name: "negative fraction", env: map[string]string{"POD_NAMESPACE": "x", "MESHCNI_MAX_TAINTED_FRACTION": "-0.1"}, wantErr: "--max-tainted-fraction -0.1: want 0 to 1"},
+		{name: "NaN fraction", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--max-tainted-fraction", "NaN"}, wantErr: "--max-tainted-fraction NaN"},
+		{name: "percent fraction", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--max-tainted-fraction", "10%"}, wantErr: `invalid argument "10%"`},
+		{name: "negative floor", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--max-tainted-floor", "-1"}, wantErr: "--max-tainted-floor -1: want 0 or more"},
 		{name: "no namespace", wantErr: "--agent-namespace: empty"},
 		{name: "no lease namespace", args: []string{"--agent-namespace", "x"}, wantErr: "--lease-namespace: empty"},
 		{name: "bad agent selector", env: map[string]string{"POD_NAMESPACE": "x"}, args: []string{"--agent-selector", "app in (a"}, wantErr: `--agent-selector "app in (a"`},
@@ -96,7 +118,7 @@ func TestMainExitCodes(t *testing.T) {
 	if code := Main([]string{"--help"}, func(string) string { return "" }, &out); code != 0 {
 		t.Fatalf("--help exit %d", code)
 	}
-	for _, want := range []string{TaintKey + ":NoSchedule", "[$MESHCNI_GRACE_PERIOD]", "[$MESHCNI_AGENT_SELECTOR]", "--grace-period", "docs/taint.md"} {
+	for _, want := range []string{TaintKey + ":NoSchedule", "[$MESHCNI_GRACE_PERIOD]", "[$MESHCNI_AGENT_SELECTOR]", "[$MESHCNI_TAINT_MODE]", "[$MESHCNI_MAX_TAINTED_FRACTION]", "--max-tainted-floor", "--grace-period", "docs/taint.md"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("--help lacks %q:\n%s", want, out.String())
 		}

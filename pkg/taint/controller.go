@@ -67,6 +67,13 @@ type Controller struct {
 	mu    sync.Mutex
 	state map[string]NodeState
 
+	census  *census
+	breaker *breaker
+	addMu   sync.Mutex // one add at a time: the limit is checked and the taint written under it
+
+	unboundMu sync.Mutex
+	unbound   map[types.UID]bool // agent pods without spec.nodeName, logged once each
+
 	now    func() time.Time
 	synced atomic.Bool
 }
@@ -77,11 +84,14 @@ func New(cs kubernetes.Interface, cfg *Config, log *slog.Logger) (*Controller, e
 		return nil, err
 	}
 	c := &Controller{
-		cfg:   cfg,
-		cs:    cs,
-		log:   log,
-		state: map[string]NodeState{},
-		now:   time.Now,
+		cfg:     cfg,
+		cs:      cs,
+		log:     log,
+		state:   map[string]NodeState{},
+		census:  newCensus(),
+		breaker: newBreaker(),
+		unbound: map[types.UID]bool{},
+		now:     time.Now,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "meshcni-taint-nodes"}),
 		// Unhealthy when leading and the Lease was not renewed for a renew deadline past
@@ -112,18 +122,24 @@ func New(cs kubernetes.Interface, cfg *Config, log *slog.Logger) (*Controller, e
 		return nil, fmt.Errorf("pod index: %w", err)
 	}
 	if _, err := c.nodeInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: func(obj any) { c.enqueueNode(obj) },
+		AddFunc: func(obj any) { c.seeNode(obj); c.enqueueNode(obj) },
 		UpdateFunc: func(old, cur any) {
+			c.seeNode(cur)
 			o, ok1 := old.(*corev1.Node)
 			n, ok2 := cur.(*corev1.Node)
 			// A periodic resync (same version), or a change of what the decision reads.
 			if !ok1 || !ok2 || o.ResourceVersion == n.ResourceVersion ||
 				!equality.Semantic.DeepEqual(o.Spec.Taints, n.Spec.Taints) || !equality.Semantic.DeepEqual(o.Labels, n.Labels) ||
-				(o.DeletionTimestamp == nil) != (n.DeletionTimestamp == nil) {
+				HasMark(o) != HasMark(n) || (o.DeletionTimestamp == nil) != (n.DeletionTimestamp == nil) {
 				c.enqueueNode(cur)
 			}
 		},
-		DeleteFunc: func(obj any) { c.enqueueNode(obj) },
+		DeleteFunc: func(obj any) {
+			if n, ok := objectOf(obj).(*corev1.Node); ok {
+				c.census.forget(n.Name)
+			}
+			c.enqueueNode(obj)
+		},
 	}); err != nil {
 		return nil, fmt.Errorf("node handler: %w", err)
 	}
@@ -138,11 +154,18 @@ func New(cs kubernetes.Interface, cfg *Config, log *slog.Logger) (*Controller, e
 				c.enqueuePodNode(cur)
 			}
 		},
-		DeleteFunc: func(obj any) { c.enqueuePodNode(obj) },
+		DeleteFunc: func(obj any) {
+			if p, ok := objectOf(obj).(*corev1.Pod); ok {
+				c.unboundMu.Lock()
+				delete(c.unbound, p.UID)
+				c.unboundMu.Unlock()
+			}
+			c.enqueuePodNode(obj)
+		},
 	}); err != nil {
 		return nil, fmt.Errorf("pod handler: %w", err)
 	}
-	c.Metrics = NewMetrics(c.countTainted)
+	c.Metrics = NewMetrics(c.countTainted, c.breakerGauges)
 
 	b := record.NewBroadcaster()
 	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: cs.CoreV1().Events("")})
@@ -176,11 +199,46 @@ func (c *Controller) enqueueNode(obj any) {
 	}
 }
 
+// LogAgentUnbound is logged once per agent pod that has no spec.nodeName: it counts
+// for no node until it is bound to one.
+const LogAgentUnbound = "agent pod without spec.nodeName: it counts for no node"
+
 func (c *Controller) enqueuePodNode(obj any) {
-	if p, ok := objectOf(obj).(*corev1.Pod); ok && p.Spec.NodeName != "" {
+	p, ok := objectOf(obj).(*corev1.Pod)
+	if !ok {
+		return
+	}
+	if p.Spec.NodeName != "" {
 		c.queue.Add(p.Spec.NodeName)
+		return
+	}
+	c.unboundMu.Lock()
+	first := !c.unbound[p.UID]
+	c.unbound[p.UID] = true
+	c.unboundMu.Unlock()
+	if first {
+		c.log.Info(LogAgentUnbound, "pod", p.Namespace+"/"+p.Name, "uid", string(p.UID))
 	}
 }
+
+func (c *Controller) seeNode(obj any) {
+	if n, ok := objectOf(obj).(*corev1.Node); ok {
+		c.census.see(n)
+	}
+}
+
+// breakerGauges is what the metrics read of the breaker: open (1 or 0) and the nodes
+// whose taint it withholds. A replica that does not lead reports 0.
+func (c *Controller) breakerGauges() (open, withheld float64) {
+	s := c.breaker.state()
+	if s.Open {
+		open = 1
+	}
+	return open, float64(s.Withheld)
+}
+
+// Breaker returns the breaker's state (closed when this replica does not lead).
+func (c *Controller) Breaker() BreakerState { return c.breaker.state() }
 
 func (c *Controller) countTainted() float64 {
 	if !c.synced.Load() {
@@ -239,8 +297,10 @@ func (c *Controller) Run(ctx context.Context) error {
 
 // lead reconciles every node, then every change, until ctx ends.
 func (c *Controller) lead(ctx context.Context) {
+	c.breaker.reset()
 	c.Metrics.Leader.Set(1)
 	defer c.Metrics.Leader.Set(0)
+	defer c.breaker.reset()
 	c.log.Info("leading: reconciling nodes", "identity", c.cfg.Identity)
 	for _, k := range c.nodeInf.GetStore().ListKeys() {
 		c.queue.Add(k)
@@ -292,12 +352,14 @@ func (c *Controller) reconcile(ctx context.Context, name string) (time.Duration,
 		c.mu.Lock()
 		delete(c.state, name)
 		c.mu.Unlock()
+		c.settle(name)
 		return 0, nil
 	}
 	if err != nil {
 		return 0, fmt.Errorf("node %s from cache: %w", name, err)
 	}
 	if node.DeletionTimestamp != nil {
+		c.settle(name)
 		return 0, nil
 	}
 	objs, err := c.podInf.GetIndexer().ByIndex(nodeNameIndex, name)
@@ -319,22 +381,123 @@ func (c *Controller) reconcile(ctx context.Context, name string) (time.Duration,
 	c.mu.Unlock()
 	if c.log.Enabled(ctx, slog.LevelDebug) {
 		c.log.Debug(LogDecided, "node", name, "resource_version", node.ResourceVersion, "agent_pods", agentPods(pods),
-			"action", d.Action.String(), "reason", d.Reason, "grace_left", d.RequeueAfter.String())
+			"action", d.Action.String(), "reason", d.Reason, "grace_left", d.RequeueAfter.String(), "mark", d.Mark)
 	}
-	if d.Action == None {
+	if d.Spared {
+		c.log.Warn(LogSpared, "node", name, "reason", d.Reason)
+	}
+	if d.Action == Add {
+		return 0, c.add(ctx, node, d)
+	}
+	c.settle(name)
+	if d.Action == None && !d.Mark {
 		return d.RequeueAfter, nil
+	}
+	return d.RequeueAfter, c.write(ctx, node, d)
+}
+
+// LogSpared is logged once per loss of a node's agent when the node is left untainted
+// past its grace period because its agent was Ready there before (--taint-mode=joining).
+const LogSpared = "agent not Ready past the grace period; node not tainted"
+
+// LogMarked is logged when the controller records on a node that its agent was Ready.
+const LogMarked = "recorded on the node that its agent was Ready (" + MarkAnnotation + ")"
+
+// add puts the taint on node unless that would pass the limit (the breaker).
+func (c *Controller) add(ctx context.Context, node *corev1.Node, d Decision) error {
+	c.addMu.Lock()
+	defer c.addMu.Unlock()
+	now := c.now()
+	managed, tainted := c.census.count(now)
+	limit := Limit(managed, c.cfg.MaxTaintedFraction, c.cfg.MaxTaintedFloor)
+	admit, opened, closed := c.breaker.ask(node.Name, managed, tainted, limit, now)
+	if opened {
+		c.reportOpen(node, d)
+	}
+	if closed {
+		c.reportClosed(node)
+	}
+	if !admit {
+		c.log.Debug("taint withheld by the breaker", "node", node.Name, "reason", d.Reason, "tainted", tainted, "limit", limit)
+		return nil
+	}
+	if err := c.write(ctx, node, d); err != nil {
+		return err
+	}
+	c.census.added(node.Name, now)
+	return nil
+}
+
+// settle tells the breaker that node is not due the taint; the withheld nodes that
+// fit within the limit again are decided again.
+func (c *Controller) settle(name string) {
+	if !c.breaker.isOpen() {
+		return
+	}
+	managed, tainted := c.census.count(c.now())
+	limit := Limit(managed, c.cfg.MaxTaintedFraction, c.cfg.MaxTaintedFloor)
+	closed, retry := c.breaker.settle(name, managed, tainted, limit)
+	if closed {
+		if n, err := c.nodes.Get(name); err == nil {
+			c.reportClosed(n)
+		} else {
+			c.reportClosed(nil)
+		}
+	}
+	for _, n := range retry {
+		c.queue.Add(n)
+	}
+}
+
+func (c *Controller) reportOpen(node *corev1.Node, d Decision) {
+	s := c.breaker.state()
+	c.Metrics.BreakerTrips.Inc()
+	c.log.Warn(LogBreakerOpen, "node", node.Name, "reason", d.Reason, "tainted", s.Tainted, "due", s.Withheld,
+		"limit", s.Limit, "managed", s.Managed, "max_tainted_fraction", c.cfg.MaxTaintedFraction, "max_tainted_floor", c.cfg.MaxTaintedFloor)
+	c.events.Eventf(node, corev1.EventTypeWarning, ReasonBreakerOpen,
+		"not adding taint %s:%s (%s): %d of %d managed nodes carry it and %d more are due it, past the limit %d (--max-tainted-fraction %v, --max-tainted-floor %d); adding no taint until they fit, still removing taints as agents turn Ready",
+		TaintKey, TaintEffect, d.Reason, s.Tainted, s.Managed, s.Withheld, s.Limit, c.cfg.MaxTaintedFraction, c.cfg.MaxTaintedFloor)
+}
+
+func (c *Controller) reportClosed(node *corev1.Node) {
+	s := c.breaker.state()
+	name := ""
+	if node != nil {
+		name = node.Name
+	}
+	c.log.Info(LogBreakerClosed, "node", name, "tainted", s.Tainted, "limit", s.Limit, "managed", s.Managed)
+	if node != nil {
+		c.events.Eventf(node, corev1.EventTypeNormal, ReasonBreakerClosed,
+			"taint %s:%s breaker closed: every node due the taint fits within the limit %d of %d managed nodes", TaintKey, TaintEffect, s.Limit, s.Managed)
+	}
+}
+
+// write sends the decision's change of node (taint, mark) through the fence and
+// records it.
+func (c *Controller) write(ctx context.Context, node *corev1.Node, d Decision) error {
+	name := node.Name
+	mark := ""
+	if d.Mark {
+		mark = MarkValue(c.now())
 	}
 	wctx, release, err := c.writeContext(ctx, name)
 	if err != nil {
-		return 0, err
+		return err
 	}
-	changed, err := setTaint(wctx, c.cs, node, d.Action == Add)
+	res, err := writeNode(wctx, c.cs, node, d.Action, mark)
 	release()
 	if err != nil {
-		return 0, fmt.Errorf("%s taint on node %s: %w", d.Action, name, err)
+		return fmt.Errorf("%s taint on node %s: %w", d.Action, name, err)
 	}
-	if !changed {
-		return 0, nil
+	if res.marked {
+		c.Metrics.Marks.Inc()
+		c.log.Info(LogMarked, "node", name, "value", mark)
+	}
+	if !res.changed {
+		return nil
+	}
+	if d.Action == Remove {
+		c.census.removed(name)
 	}
 	c.Metrics.Changes.WithLabelValues(d.Action.String()).Inc()
 	reason, verb := ReasonTaintAdded, "added"
@@ -344,7 +507,7 @@ func (c *Controller) reconcile(ctx context.Context, name string) (time.Duration,
 	msg := fmt.Sprintf("%s taint %s:%s: %s", verb, TaintKey, TaintEffect, d.Reason)
 	c.events.Event(node, corev1.EventTypeNormal, reason, msg)
 	c.log.Info(msg, "node", name, "action", d.Action.String())
-	return 0, nil
+	return nil
 }
 
 // LogWriteHeld is logged when a node write waits because the Lease was not renewed
@@ -381,24 +544,63 @@ func agentPods(pods []*corev1.Pod) string {
 	return b.String()
 }
 
-// taintPatch is a JSON merge patch of a node's taints, with the resourceVersion it was
-// computed from: the API server refuses it with a Conflict if the node changed since.
-type taintPatch struct {
+// nodePatch is a JSON merge patch of a node's taints and of MarkAnnotation, with the
+// resourceVersion it was computed from: the API server refuses it with a Conflict if
+// the node changed since.
+type nodePatch struct {
 	Metadata struct {
-		ResourceVersion string `json:"resourceVersion"`
+		ResourceVersion string            `json:"resourceVersion"`
+		Annotations     map[string]string `json:"annotations,omitempty"`
 	} `json:"metadata"`
-	Spec struct {
-		Taints []corev1.Taint `json:"taints"`
-	} `json:"spec"`
+	Spec *nodePatchSpec `json:"spec,omitempty"`
 }
 
-// setTaint puts the taint on the node (want) or takes it off, keeping every other taint.
-// It starts from base (the cache) and, on a conflict, re-reads the node and tries again.
-// changed is false when the node was already as wanted.
-func setTaint(ctx context.Context, cs kubernetes.Interface, base *corev1.Node, want bool) (changed bool, err error) {
+type nodePatchSpec struct {
+	Taints []corev1.Taint `json:"taints"`
+}
+
+// NodePatch is the controller's patch of base: the taint added (Add) or removed
+// (Remove) with every other taint kept in order, and MarkAnnotation set to mark when
+// mark is not empty and the node lacks it. changed is false when the node is already as
+// wanted (no patch to send).
+func NodePatch(base *corev1.Node, taint Action, mark string) (body []byte, changed bool, err error) {
+	var p nodePatch
+	p.Metadata.ResourceVersion = base.ResourceVersion
+	if taint != None {
+		taints, diff := WithTaint(base.Spec.Taints, taint == Add)
+		if diff {
+			p.Spec = &nodePatchSpec{}
+			if len(taints) > 0 {
+				p.Spec.Taints = taints
+			}
+		}
+	}
+	if mark != "" && !HasMark(base) {
+		p.Metadata.Annotations = map[string]string{MarkAnnotation: mark}
+	}
+	if p.Spec == nil && p.Metadata.Annotations == nil {
+		return nil, false, nil
+	}
+	body, err = json.Marshal(p)
+	if err != nil {
+		return nil, false, fmt.Errorf("node patch: %w", err)
+	}
+	return body, true, nil
+}
+
+// writeResult says what a node write changed.
+type writeResult struct {
+	changed bool // the taint
+	marked  bool // MarkAnnotation written
+}
+
+// writeNode puts the taint on the node (Add) or takes it off (Remove), keeping every
+// other taint, and writes MarkAnnotation when mark is set and the node lacks it. It
+// starts from base (the cache) and, on a conflict, re-reads the node and tries again.
+func writeNode(ctx context.Context, cs kubernetes.Interface, base *corev1.Node, taint Action, mark string) (res writeResult, err error) {
 	name := base.Name
 	err = retry.RetryOnConflict(retry.DefaultBackoff, func() error {
-		changed = false
+		res = writeResult{}
 		if base == nil {
 			n, err := cs.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
 			if err != nil {
@@ -406,28 +608,32 @@ func setTaint(ctx context.Context, cs kubernetes.Interface, base *corev1.Node, w
 			}
 			base = n
 		}
-		taints, diff := WithTaint(base.Spec.Taints, want)
-		if !diff {
-			return nil
-		}
-		var p taintPatch
-		p.Metadata.ResourceVersion = base.ResourceVersion
-		if len(taints) > 0 {
-			p.Spec.Taints = taints
-		}
-		body, err := json.Marshal(p)
-		if err != nil {
-			return fmt.Errorf("taint patch: %w", err)
-		}
-		base = nil // a retry re-reads the node
-		if _, err := cs.CoreV1().Nodes().Patch(ctx, name, types.MergePatchType, body, metav1.PatchOptions{FieldManager: Component}); err != nil {
+		body, diff, err := NodePatch(base, taint, mark)
+		if err != nil || !diff {
 			return err
 		}
-		changed = true
+		tainted, marked := HasTaint(base), HasMark(base)
+		base = nil // a retry re-reads the node
+		n, err := cs.CoreV1().Nodes().Patch(ctx, name, types.MergePatchType, body, metav1.PatchOptions{FieldManager: Component})
+		if err != nil {
+			return err
+		}
+		res = writeResult{changed: HasTaint(n) != tainted, marked: HasMark(n) && !marked}
 		return nil
 	})
 	if apierrors.IsNotFound(err) {
-		return false, nil // the node is gone: nothing to taint
+		return writeResult{}, nil // the node is gone: nothing to taint
 	}
-	return changed, err
+	return res, err
+}
+
+// setTaint puts the taint on the node (want) or takes it off, keeping every other taint
+// (writeNode without a mark). changed is false when the node was already as wanted.
+func setTaint(ctx context.Context, cs kubernetes.Interface, base *corev1.Node, want bool) (changed bool, err error) {
+	a := Remove
+	if want {
+		a = Add
+	}
+	res, err := writeNode(ctx, cs, base, a, "")
+	return res.changed, err
 }

@@ -84,6 +84,7 @@ func (e *env) startProc(t *testing.T, bin, id string) *proc {
 		"MESHCNI_KUBECONFIG=" + kc,
 		"MESHCNI_NODE_SELECTOR=" + testNodeLabel + "=" + e.label,
 		"MESHCNI_GRACE_PERIOD=" + ptGrace.String(),
+		"MESHCNI_TAINT_MODE=always", "MESHCNI_MAX_TAINTED_FRACTION=1",
 		"MESHCNI_LEASE_DURATION=" + ptLease.String(), "MESHCNI_RENEW_DEADLINE=" + ptRenew.String(), "MESHCNI_RETRY_PERIOD=" + ptRetry.String(),
 		"MESHCNI_HEALTH_ADDR=127.0.0.1:0", "MESHCNI_LOG_LEVEL=debug",
 		"MESHCNI_IDENTITY=" + id,

@@ -129,20 +129,23 @@ func newEnv(t testing.TB, ns, label string) *env {
 
 func (e *env) config(identity string) *Config {
 	return &Config{
-		AgentNamespace:  e.ns,
-		AgentSelector:   labels.SelectorFromSet(labels.Set{"app.kubernetes.io/name": "meshcni", "app.kubernetes.io/component": "agent"}),
-		NodeSelector:    labels.SelectorFromSet(labels.Set{testNodeLabel: e.label}),
-		TaintNewNodes:   true,
-		GracePeriod:     2 * time.Second,
-		Workers:         2,
-		LeaderElect:     true,
-		LeaseName:       "meshcni-taint-" + e.label,
-		LeaseNamespace:  e.ns,
-		Identity:        identity,
-		LeaseDuration:   2 * time.Second,
-		RenewDeadline:   time.Second,
-		RetryPeriod:     500 * time.Millisecond,
-		KeepLeaseOnExit: false,
+		AgentNamespace: e.ns,
+		AgentSelector:  labels.SelectorFromSet(labels.Set{"app.kubernetes.io/name": "meshcni", "app.kubernetes.io/component": "agent"}),
+		NodeSelector:   labels.SelectorFromSet(labels.Set{testNodeLabel: e.label}),
+		TaintNewNodes:  true,
+		GracePeriod:    2 * time.Second,
+		// The tests before the breaker's prove the taint's life cycle on any node.
+		TaintMode:          Always,
+		MaxTaintedFraction: 1,
+		Workers:            2,
+		LeaderElect:        true,
+		LeaseName:          "meshcni-taint-" + e.label,
+		LeaseNamespace:     e.ns,
+		Identity:           identity,
+		LeaseDuration:      2 * time.Second,
+		RenewDeadline:      time.Second,
+		RetryPeriod:        500 * time.Millisecond,
+		KeepLeaseOnExit:    false,
 	}
 }
 
