@@ -116,7 +116,7 @@ reference:
 # seed corpora (f.Add and testdata/fuzz/) also run as plain tests in `go test`.
 .PHONY: fuzz fuzz-smoke
 FUZZ_TARGETS := \
-	./pkg/podspec:FuzzSpec \
+	./pkg/capture:FuzzSpec \
 	./pkg/spec:FuzzParsePorts ./pkg/spec:FuzzParsePrefixes ./pkg/spec:FuzzParseNames ./pkg/spec:FuzzParseModeBool \
 	./pkg/plugin:FuzzParseConfig ./pkg/plugin:FuzzCNIArgs \
 	./pkg/cniconf:FuzzInjectRemove \

@@ -26,7 +26,7 @@ import (
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/traffic"
-	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/capture"
 )
 
 const (
@@ -110,8 +110,8 @@ func TestHelmEBPF(t *testing.T) {
 		}
 	}
 
-	fast := startEBPFPod(ctx, t, tb, "ebpf-fast", podspec.AccelToProxy)
-	plain := startEBPFPod(ctx, t, tb, "ebpf-plain", podspec.AccelDefault)
+	fast := startEBPFPod(ctx, t, tb, "ebpf-fast", capture.AccelToProxy)
+	plain := startEBPFPod(ctx, t, tb, "ebpf-plain", capture.AccelDefault)
 	for pod, want := range map[string]string{"ebpf-fast": "accelerated", "ebpf-plain": "not accelerated"} {
 		if got := inspectEBPF(ctx, t, meshcnictl, pod); got != want {
 			t.Errorf("meshcnictl inspect %s/%s: ebpf %q, want %q", ebpfNamespace, pod, got, want)
@@ -225,12 +225,12 @@ func metricValue(t *testing.T, text, name string) float64 {
 
 // startEBPFPod runs a meshed pod (the plugin writes its redirect) with the
 // acceleration annotation (AccelDefault: none) and returns its network namespace.
-func startEBPFPod(ctx context.Context, t *testing.T, tb *testbed.Testbed, name string, a podspec.Acceleration) string {
+func startEBPFPod(ctx context.Context, t *testing.T, tb *testbed.Testbed, name string, a capture.Acceleration) string {
 	t.Helper()
 	p := meshedPod(name)
 	p.Namespace = ebpfNamespace
-	if a != podspec.AccelDefault {
-		p.Annotations[podspec.AnnotationEBPFAcceleration] = string(a)
+	if a != capture.AccelDefault {
+		p.Annotations[capture.AnnotationEBPFAcceleration] = string(a)
 	}
 	if _, err := tb.CreatePod(ctx, p); err != nil {
 		t.Fatal(err)

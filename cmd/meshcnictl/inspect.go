@@ -17,11 +17,11 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/ctlout"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/kubeget"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -118,7 +118,7 @@ func (f *explainFlags) registerPodFlags(fl *pflag.FlagSet) {
 	fl.StringVarP(&f.namespace, "namespace", "n", "", "namespace of POD (default: the kubeconfig context's namespace)")
 	fl.StringSliceVar(&f.excludeNamespaces, "exclude-namespaces", nil, "namespaces whose pods the plugin never redirects (its exclude_namespaces)")
 	fl.StringVar(&f.agentNamespace, "agent-pod-namespace", "", "namespace of meshcni's agent, whose pods carrying --agent-pod-label are never redirected (the plugin's agent_pod_namespace; empty: none is exempt by label)")
-	fl.StringVar(&f.agentLabel, "agent-pod-label", podspec.DefaultAgentLabel, "label KEY=VALUE of the agent's pods (the plugin's agent_pod_label)")
+	fl.StringVar(&f.agentLabel, "agent-pod-label", capture.DefaultAgentLabel, "label KEY=VALUE of the agent's pods (the plugin's agent_pod_label)")
 	fl.StringVar(&f.ipv6Mode, "ipv6-mode", string(spec.IPv6Istio), "IPv6 of meshed pods (the plugin's ipv6 key): istio, capture or drop; a pod's meshcni.io/ipv6 annotation wins")
 	fl.DurationVar(&f.timeout, "timeout", 20*time.Second, "give up after this long")
 }
@@ -234,7 +234,7 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 		if err != nil {
 			return &exitError{code: exitUsage, err: fmt.Errorf("pod %s/%s: %w", ns, name, err)}
 		}
-		meshed := p.Decision.Meshed
+		meshed := p.Decision.Captured()
 		r.pod, r.plan = pod, &p
 		r.Pod, r.Node, r.Meshed, r.Reason, r.Warnings, r.spec = ns+"/"+name, pod.Spec.NodeName, &meshed, p.Decision.Reason, p.Warnings, p.Spec
 		r.Spec = ctlout.Spec(p.Spec)

@@ -21,9 +21,9 @@ import (
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -160,13 +160,13 @@ func echoPod(name string, meshed bool) *corev1.Pod {
 	p.Namespace = inspectNS
 	if meshed {
 		p.Annotations = map[string]string{
-			podspec.AnnotationStatus:                  `{"containers":["istio-proxy"]}`,
-			podspec.AnnotationExcludeOutboundPorts:    "5432",
-			podspec.AnnotationExcludeOutboundIPRanges: "10.214.0.0/16",
+			capture.AnnotationStatus:                  `{"containers":["istio-proxy"]}`,
+			capture.AnnotationExcludeOutboundPorts:    "5432",
+			capture.AnnotationExcludeOutboundIPRanges: "10.214.0.0/16",
 		}
 		p.Spec.Containers[0].ReadinessProbe = nil
 		p.Spec.Containers = append(p.Spec.Containers, corev1.Container{
-			Name: podspec.ProxyContainer, Image: testbed.EchoImage, ImagePullPolicy: corev1.PullNever,
+			Name: capture.ProxyContainer, Image: testbed.EchoImage, ImagePullPolicy: corev1.PullNever,
 			Env: []corev1.EnvVar{{Name: "PORT", Value: "15021"}},
 		})
 	}

@@ -20,8 +20,8 @@ import (
 	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 )
 
 func TestMain(m *testing.M) { os.Exit(testbed.RunMain(m)) }
@@ -39,9 +39,9 @@ func TestPods(t *testing.T) {
 		if p.Namespace != Namespace {
 			t.Errorf("%s: namespace %q", p.Name, p.Namespace)
 		}
-		d := podspec.Decide(corepod.From(p), podspec.Config{ExcludeNamespaces: []string{"kube-system"}})
-		if d.Meshed != want[p.Name] {
-			t.Errorf("%s: meshed=%v (%s), want %v", p.Name, d.Meshed, d.Reason, want[p.Name])
+		d := capture.Decide(k8spod.From(p), capture.Config{ExcludeNamespaces: []string{"kube-system"}})
+		if d.Captured() != want[p.Name] {
+			t.Errorf("%s: meshed=%v (%s), want %v", p.Name, d.Captured(), d.Reason, want[p.Name])
 		}
 		// The product image runs only the validation init container; the app and
 		// the istio-proxy stand-in run the demo tool's own image.
@@ -66,7 +66,7 @@ func TestPods(t *testing.T) {
 			}
 		}
 		if p.Name == MeshedPod {
-			s, err := podspec.Spec(corepod.From(p))
+			s, err := capture.Spec(k8spod.From(p))
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -28,7 +28,7 @@ var pure = []string{
 	module + "/pkg/rules",
 	module + "/pkg/rules/ipt",
 	module + "/pkg/rules/nft",
-	module + "/pkg/podspec",
+	module + "/pkg/capture",
 }
 
 // effects are imports a pure package must not have: standard packages by exact

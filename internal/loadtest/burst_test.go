@@ -18,9 +18,9 @@ import (
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
 
 // envBurst is the number of pods of TestBurst; the figure in docs/performance.md is
@@ -39,12 +39,12 @@ func burstPod(name, phase string) *corev1.Pod {
 	p := testbed.EchoPod(name, 0)
 	p.Namespace = burstNS
 	p.Labels["burst"] = phase
-	p.Annotations = map[string]string{podspec.AnnotationStatus: `{"containers":["istio-proxy"]}`}
+	p.Annotations = map[string]string{capture.AnnotationStatus: `{"containers":["istio-proxy"]}`}
 	p.Spec.Containers[0].ReadinessProbe = nil
 	no := false
 	p.Spec.AutomountServiceAccountToken = &no
 	p.Spec.Containers = append(p.Spec.Containers, corev1.Container{
-		Name: podspec.ProxyContainer, Image: testbed.EchoImage, ImagePullPolicy: corev1.PullNever,
+		Name: capture.ProxyContainer, Image: testbed.EchoImage, ImagePullPolicy: corev1.PullNever,
 		Env: []corev1.EnvVar{{Name: "PORT", Value: "15021"}},
 	})
 	return p
@@ -148,7 +148,7 @@ func redirected(ctx context.Context, tb *testbed.Testbed, p *corev1.Pod) error {
 	if err != nil {
 		return err
 	}
-	s, err := podspec.Spec(corepod.From(p))
+	s, err := capture.Spec(k8spod.From(p))
 	if err != nil {
 		return err
 	}
@@ -160,7 +160,7 @@ func redirected(ctx context.Context, tb *testbed.Testbed, p *corev1.Pod) error {
 		}
 		ips = append(ips, a)
 	}
-	podspec.WithFamilies(s, ips)
+	capture.WithFamilies(s, ips)
 	d, err := engine.Check(ctx, engine.Options{Backend: backend.Auto, NetnsPath: netns}, s)
 	if err != nil {
 		return err

@@ -34,10 +34,10 @@ import (
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/fileutil"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
 
 const (
@@ -146,13 +146,13 @@ func (r *rig) meshedPod(name string) *corev1.Pod {
 	no := false
 	return &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Namespace: loadNS, Name: name, Labels: map[string]string{"app": "load"},
-			Annotations: map[string]string{podspec.AnnotationStatus: `{"containers":["istio-proxy"],"initContainers":["istio-validation"]}`}},
+			Annotations: map[string]string{capture.AnnotationStatus: `{"containers":["istio-proxy"],"initContainers":["istio-validation"]}`}},
 		Spec: corev1.PodSpec{
 			NodeName:                     r.node,
 			AutomountServiceAccountToken: &no,
 			Containers: []corev1.Container{
 				{Name: "app", Image: "registry.example/app:1"},
-				{Name: podspec.ProxyContainer, Image: "docker.io/istio/proxyv2:1.27.0", Args: []string{"proxy", "sidecar"}},
+				{Name: capture.ProxyContainer, Image: "docker.io/istio/proxyv2:1.27.0", Args: []string{"proxy", "sidecar"}},
 			},
 		},
 	}
@@ -293,7 +293,7 @@ func (r *rig) cycle(ctx context.Context, pod *corev1.Pod) outcome {
 
 // audit reports whether the netns holds the pod's redirect with no drift.
 func audit(ctx context.Context, pod *corev1.Pod, res types.Result, nsPath string) (bool, string) {
-	s, err := podspec.Spec(corepod.From(pod))
+	s, err := capture.Spec(k8spod.From(pod))
 	if err != nil {
 		return false, "spec: " + err.Error()
 	}
@@ -307,7 +307,7 @@ func audit(ctx context.Context, pod *corev1.Pod, res types.Result, nsPath string
 			ips = append(ips, a.Unmap())
 		}
 	}
-	podspec.WithFamilies(s, ips)
+	capture.WithFamilies(s, ips)
 	d, err := engine.Check(ctx, engine.Options{Backend: backend.Auto, NetnsPath: nsPath}, s)
 	if err != nil {
 		return false, "check: " + err.Error()

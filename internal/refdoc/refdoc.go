@@ -1,5 +1,5 @@
 // Package refdoc generates docs/reference.md, the configuration reference, from the
-// code that reads the configuration: the pod settings podspec reads, the plugin
+// code that reads the configuration: the pod settings package capture reads, the plugin
 // config keys ParseConfig reads, every binary's flags (with their environment
 // variables) and the Helm chart's values with their comments. A test fails when the
 // committed file is stale; `make reference` rewrites it.
@@ -14,9 +14,9 @@ import (
 	"github.com/spf13/pflag"
 	"go.yaml.in/yaml/v3"
 
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/plugin"
-	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // Binary is one command whose flags are documented.
@@ -60,7 +60,7 @@ func Generate(in Input) ([]byte, error) {
 
 	b.WriteString("\n## Pod settings\n\nRead by the plugin (and `meshcnictl explain`/`inspect`, the repair controller) from the Pod.\n\n")
 	b.WriteString("| key | where | default | meaning |\n|---|---|---|---|\n")
-	for _, s := range podspec.Settings {
+	for _, s := range capture.Settings {
 		fmt.Fprintf(&b, "| `%s` | %s | %s | %s |\n", s.Key, s.Where, code(s.Default), cell(s.Doc))
 	}
 

@@ -8,8 +8,8 @@ import (
 
 	"github.com/meshcni/meshcni/internal/golden"
 	"github.com/meshcni/meshcni/pkg/agent"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/flagenv"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/taint"
 )
 
@@ -59,7 +59,7 @@ func TestReferenceCoversEverything(t *testing.T) {
 		t.Fatal(err)
 	}
 	text := string(got)
-	for _, s := range podspec.Settings {
+	for _, s := range capture.Settings {
 		if !strings.Contains(text, "`"+s.Key+"`") {
 			t.Errorf("pod setting %s missing", s.Key)
 		}

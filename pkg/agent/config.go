@@ -15,12 +15,12 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/meshcni/meshcni/pkg/audit"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/logformat"
 	"github.com/meshcni/meshcni/pkg/podget"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/repair"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -88,7 +88,7 @@ type Config struct {
 
 	// eBPF acceleration (flags in ebpf.go).
 	EBPF                 EBPFMode
-	EBPFDefault          podspec.Acceleration
+	EBPFDefault          capture.Acceleration
 	EBPFNamespaces       []string
 	EBPFForceUnavailable string
 	EBPFPinDir           string

@@ -18,28 +18,28 @@ import (
 
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/pkg/agentsock"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/nodepods"
-	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // markPod is a pod as Istio's injector renders it in the CNI mode (istio-proxy a
 // native sidecar, the status annotation), with or without istio-validation.
 func markPod(ns, name, node string, validation bool) *corev1.Pod {
 	always := corev1.ContainerRestartPolicyAlways
-	inits := []corev1.Container{{Name: podspec.ProxyContainer, Image: "meshcni.local/none:dev", Args: []string{"proxy", "sidecar"}, RestartPolicy: &always}}
+	inits := []corev1.Container{{Name: capture.ProxyContainer, Image: "meshcni.local/none:dev", Args: []string{"proxy", "sidecar"}, RestartPolicy: &always}}
 	if validation {
 		inits = append([]corev1.Container{{Name: "istio-validation", Image: "meshcni.local/none:dev"}}, inits...)
 	}
 	return &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name,
-			Annotations: map[string]string{podspec.AnnotationStatus: `{"containers":[],"initContainers":["istio-proxy"]}`}},
+			Annotations: map[string]string{capture.AnnotationStatus: `{"containers":[],"initContainers":["istio-proxy"]}`}},
 		Spec: corev1.PodSpec{NodeName: node, InitContainers: inits,
 			Containers: []corev1.Container{{Name: "app", Image: "meshcni.local/none:dev"}}},
 	}
 }
 
 func TestMarkAction(t *testing.T) {
-	mesh := podspec.Config{ExcludeNamespaces: []string{"kube-system"}}
+	mesh := capture.Config{ExcludeNamespaces: []string{"kube-system"}}
 	labelled := markPod("a", "p", "n", false)
 	labelled.Labels = map[string]string{RedirectedLabel: RedirectedValue}
 	falseLabel := markPod("a", "p", "n", false)
@@ -47,9 +47,9 @@ func TestMarkAction(t *testing.T) {
 	plain := markPod("a", "p", "n", false)
 	plain.Spec.InitContainers = nil
 	withInit := markPod("a", "p", "n", false)
-	withInit.Spec.InitContainers = append(withInit.Spec.InitContainers, corev1.Container{Name: podspec.InitContainer})
+	withInit.Spec.InitContainers = append(withInit.Spec.InitContainers, corev1.Container{Name: capture.InitContainer})
 	optOut := markPod("a", "p", "n", false)
-	optOut.Labels = map[string]string{podspec.AnnotationInject: "false"}
+	optOut.Labels = map[string]string{capture.AnnotationInject: "false"}
 	for _, tc := range []struct {
 		name string
 		pod  *corev1.Pod
@@ -87,7 +87,7 @@ func TestMarkPatch(t *testing.T) {
 // TestMarkerObserve: only a successful ADD of a named pod is queued, and a full queue
 // drops (counted) instead of blocking the socket.
 func TestMarkerObserve(t *testing.T) {
-	m, err := NewMarker(nil, nil, podspec.Config{}, slog.New(slog.DiscardHandler), prometheus.NewRegistry())
+	m, err := NewMarker(nil, nil, capture.Config{}, slog.New(slog.DiscardHandler), prometheus.NewRegistry())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -147,7 +147,7 @@ func TestMarkerRealAPI(t *testing.T) {
 		t.Fatal(err)
 	}
 	reg := prometheus.NewRegistry()
-	m, err := NewMarker(tb.Client, cache, podspec.Config{}, slog.Default(), reg)
+	m, err := NewMarker(tb.Client, cache, capture.Config{}, slog.Default(), reg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,8 +8,8 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/repair"
 )
 
@@ -70,7 +70,7 @@ func (c *Config) RepairPolicy() (repair.Policy, error) {
 		Node:     c.NodeName,
 		Action:   c.RepairAction,
 		LabelKey: c.RepairLabelKey,
-		Mesh:     podspec.Config{ExcludeNamespaces: c.ExcludeNamespaces, AgentNamespace: c.PodNamespace, IPv6: c.IPv6},
+		Mesh:     capture.Config{ExcludeNamespaces: c.ExcludeNamespaces, AgentNamespace: c.PodNamespace, IPv6: c.IPv6},
 		Criteria: repair.Criteria{InitContainer: c.RepairInitContainer},
 	}
 	var err error

@@ -27,10 +27,10 @@ import (
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/audit"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
 
 // sharedRunDir is a run directory both agents of a test use (short: the socket's
@@ -97,7 +97,7 @@ func TestEBPFDelAfterRestart(t *testing.T) {
 	const sandbox = "0a1b2c3d4e5f"
 	report(t, runDir, &agentsock.CommandResult{Command: agentsock.CommandAdd, Result: agentsock.ResultSuccess, ContainerID: sandbox,
 		Pod:  agentsock.Pod{Namespace: "app", Name: "web"},
-		EBPF: &agentsock.PodEBPF{NetnsCookie: cookie, Mode: string(podspec.AccelToProxy), ProxyUID: traffic.ProxyUID, PodUID: "uid-web"}})
+		EBPF: &agentsock.PodEBPF{NetnsCookie: cookie, Mode: string(capture.AccelToProxy), ProxyUID: traffic.ProxyUID, PodUID: "uid-web"}})
 	ctx := context.Background()
 	waitFor(t, 10*time.Second, "the sandbox enabled", func() error {
 		if r := askAgent(ctx, t, runDir, cookie); !r.Accelerated {
@@ -160,7 +160,7 @@ func TestAuditAnnotationsAcrossRestartOnTestbed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	res, err := podspec.Config{}.ForPod(corepod.From(pod), []netip.Addr{netip.MustParseAddr(pod.Status.PodIP)})
+	res, err := capture.Config{}.ForPod(k8spod.From(pod), []netip.Addr{netip.MustParseAddr(pod.Status.PodIP)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -178,7 +178,7 @@ func TestAuditAnnotationsAcrossRestartOnTestbed(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:"8080"}}}`, podspec.AnnotationExcludeOutboundPorts)
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:"8080"}}}`, capture.AnnotationExcludeOutboundPorts)
 	if _, err := tb.Client.CoreV1().Pods(e2eNS).Patch(ctx, name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}

@@ -35,7 +35,7 @@ import (
 	"github.com/meshcni/meshcni/internal/agenttest"
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/pkg/agentsock"
-	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/capture"
 )
 
 const (
@@ -118,7 +118,7 @@ func rssPod(node string, i int) *corev1.Pod {
 				"service.istio.io/canonical-revision": "v1",
 			},
 			Annotations: map[string]string{
-				podspec.AnnotationStatus:                       `{"initContainers":null,"containers":["istio-proxy"],"volumes":["workload-socket","credential-socket","workload-certs","istio-envoy","istio-data","istio-podinfo","istio-token","istiod-ca-cert"],"imagePullSecrets":null,"revision":"default"}`,
+				capture.AnnotationStatus:                       `{"initContainers":null,"containers":["istio-proxy"],"volumes":["workload-socket","credential-socket","workload-certs","istio-envoy","istio-data","istio-podinfo","istio-token","istiod-ca-cert"],"imagePullSecrets":null,"revision":"default"}`,
 				"kubectl.kubernetes.io/default-container":      "app",
 				"kubectl.kubernetes.io/default-logs-container": "app",
 				"prometheus.io/path":                           "/stats/prometheus",
@@ -139,7 +139,7 @@ func rssPod(node string, i int) *corev1.Pod {
 						Path: "/app-health/app/readyz", Port: intstr.FromInt32(15020)}}, PeriodSeconds: 10},
 				},
 				{
-					Name: podspec.ProxyContainer, Image: "docker.io/istio/proxyv2:1.24.0", ImagePullPolicy: corev1.PullIfNotPresent,
+					Name: capture.ProxyContainer, Image: "docker.io/istio/proxyv2:1.24.0", ImagePullPolicy: corev1.PullIfNotPresent,
 					Args: []string{"proxy", "sidecar", "--domain", rssNS + ".svc.cluster.local", "--proxyLogLevel=warning",
 						"--proxyComponentLogLevel=misc:error", "--log_output_level=default:info"},
 					Ports: []corev1.ContainerPort{

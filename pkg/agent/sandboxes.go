@@ -12,9 +12,9 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/sandboxstate"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -44,7 +44,7 @@ const (
 type Sandboxes struct {
 	Dir  string
 	Pods PodSource // nil: no spec is recorded and nothing collected
-	Mesh podspec.Config
+	Mesh capture.Config
 	Log  *slog.Logger
 
 	mu     sync.Mutex
@@ -105,11 +105,11 @@ func (s *Sandboxes) added(st *sandboxstate.Store, r *agentsock.CommandResult) {
 	if !ok {
 		return
 	}
-	p := corepod.From(pod)
-	if r.EBPF != nil && r.EBPF.PodUID != "" && !podspec.IsRuntimePod(p, r.EBPF.PodUID) {
+	p := k8spod.From(pod)
+	if r.EBPF != nil && r.EBPF.PodUID != "" && !capture.IsRuntimePod(p, r.EBPF.PodUID) {
 		return // the cache holds another pod of that name
 	}
-	if !podspec.Decide(p, s.Mesh).Meshed {
+	if !capture.Decide(p, s.Mesh).Captured() {
 		return
 	}
 	res, err := s.Mesh.Build(p)
@@ -151,7 +151,7 @@ func (s *Sandboxes) Applied(pod *corev1.Pod) (*spec.Spec, bool) {
 	if err != nil {
 		return nil, false
 	}
-	podspec.WithFamilies(e.Spec, ips)
+	capture.WithFamilies(e.Spec, ips)
 	return e.Spec, true
 }
 
@@ -293,7 +293,7 @@ func (e *EBPF) SandboxGone(id string) {
 }
 
 // enabled records the cookie of a sandbox EBPF enabled.
-func (s *Sandboxes) enabled(id string, p ebpfPod, mode podspec.Acceleration) {
+func (s *Sandboxes) enabled(id string, p ebpfPod, mode capture.Acceleration) {
 	st := s.get()
 	if st == nil {
 		return

@@ -25,11 +25,11 @@ import (
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/fileutil"
 	"github.com/meshcni/meshcni/pkg/podget"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
 
 func TestMain(m *testing.M) {
@@ -123,10 +123,10 @@ func value(t *testing.T, fams map[string]*dto.MetricFamily, name string, labels 
 func meshedPod(name string) *corev1.Pod {
 	p := testbed.EchoPod(name, 0)
 	p.Namespace = e2eNS
-	p.Annotations = map[string]string{podspec.AnnotationStatus: `{"containers":["istio-proxy"]}`}
+	p.Annotations = map[string]string{capture.AnnotationStatus: `{"containers":["istio-proxy"]}`}
 	p.Spec.Containers[0].ReadinessProbe = nil
 	p.Spec.Containers = append(p.Spec.Containers, corev1.Container{
-		Name: podspec.ProxyContainer, Image: testbed.EchoImage, ImagePullPolicy: corev1.PullNever,
+		Name: capture.ProxyContainer, Image: testbed.EchoImage, ImagePullPolicy: corev1.PullNever,
 		Env: []corev1.EnvVar{{Name: "PORT", Value: "15021"}},
 	})
 	return p
@@ -245,7 +245,7 @@ func TestAgentOnTestbed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s, err := podspec.Spec(corepod.From(meshed))
+	s, err := capture.Spec(k8spod.From(meshed))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -253,7 +253,7 @@ func TestAgentOnTestbed(t *testing.T) {
 	for _, ip := range meshed.Status.PodIPs {
 		ips = append(ips, netip.MustParseAddr(ip.IP))
 	}
-	podspec.WithFamilies(s, ips)
+	capture.WithFamilies(s, ips)
 	if d, err := engine.Check(ctx, engine.Options{Backend: backend.Auto, NetnsPath: netns}, s); err != nil || !d.Empty() {
 		t.Fatalf("meshcni's rules in the meshed pod: err %v, drift:\n%s", err, d)
 	}

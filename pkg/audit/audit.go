@@ -15,9 +15,9 @@ import (
 	"k8s.io/client-go/tools/record"
 
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -128,7 +128,7 @@ type Options struct {
 	// Node is this agent's node ("": every pod Pods lists).
 	Node string
 	// Mesh decides which pods are meshed (the agent's excluded namespaces, IPv6 mode).
-	Mesh podspec.Config
+	Mesh capture.Config
 	// Backend is the engine backend (the agent's --backend).
 	Backend backend.Kind
 	// Period between rounds (jittered by ±Jitter); 0: one round at start only, then

@@ -20,9 +20,9 @@ import (
 	itestutil "github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/audit"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
 
 const nodePods = 110
@@ -42,7 +42,7 @@ func newFleet(tb testing.TB, n int, kind backend.Kind) *fleet {
 		ip := netip.AddrFrom4([4]byte{10, 251, byte(i / 250), byte(i%250 + 2)})
 		pod := meshedPod(fmt.Sprintf("pod-%03d", i), ip.String(), nil)
 		path := itestutil.NewNetns(tb)
-		res, err := podspec.Config{}.ForPod(corepod.From(pod), []netip.Addr{ip})
+		res, err := capture.Config{}.ForPod(k8spod.From(pod), []netip.Addr{ip})
 		if err != nil {
 			tb.Fatal(err)
 		}

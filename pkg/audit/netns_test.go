@@ -26,9 +26,9 @@ import (
 	"github.com/meshcni/meshcni/internal/traffic"
 	"github.com/meshcni/meshcni/pkg/audit"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -54,8 +54,8 @@ func newScratch(t *testing.T, kind backend.Kind, name string, ann map[string]str
 	net := traffic.NewPod(t)
 	traffic.StartApp(t, net.PeerNetNS, netip.MustParseAddrPort("[::]:8080"), "peer-app")
 	traffic.StartApp(t, net.NetNS, netip.MustParseAddrPort("[::]:9090"), "pod-app")
-	traffic.StartProxy(t, net.NetNS, traffic.ProxyOptions{TPROXY: ann[podspec.AnnotationInterceptionMode] == "TPROXY"})
-	res, err := podspec.Config{}.ForPod(corepod.From(pod), []netip.Addr{traffic.PodIPv4})
+	traffic.StartProxy(t, net.NetNS, traffic.ProxyOptions{TPROXY: ann[capture.AnnotationInterceptionMode] == "TPROXY"})
+	res, err := capture.Config{}.ForPod(k8spod.From(pod), []netip.Addr{traffic.PodIPv4})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -179,7 +179,7 @@ func TestDriftDetectedAndRepaired(t *testing.T) {
 			t.Run(string(kind)+"/"+d.name, func(t *testing.T) {
 				ann := map[string]string{}
 				if d.tproxy {
-					ann[podspec.AnnotationInterceptionMode] = "TPROXY"
+					ann[capture.AnnotationInterceptionMode] = "TPROXY"
 				}
 				s := newScratch(t, kind, "web", ann)
 				s.addForeign(t)
@@ -317,7 +317,7 @@ func TestAnnotationChange(t *testing.T) {
 			})
 			a.Round(ctx)
 			changed := s.pod.DeepCopy()
-			changed.Annotations[podspec.AnnotationExcludeOutboundPorts] = "8080"
+			changed.Annotations[capture.AnnotationExcludeOutboundPorts] = "8080"
 			p.set(changed)
 			st := a.Round(ctx)
 			a.Round(ctx)
@@ -396,7 +396,7 @@ func TestAnnotationChangeAcrossRestart(t *testing.T) {
 				t.Fatalf("the first audit remembered %d specs, want the pod's", len(mem.specs))
 			}
 			changed := s.pod.DeepCopy() // while no agent runs
-			changed.Annotations[podspec.AnnotationExcludeOutboundPorts] = "8080"
+			changed.Annotations[capture.AnnotationExcludeOutboundPorts] = "8080"
 			p.set(changed)
 			after, rec, m := newAuditor(t, p, n, withMemory)
 			st := after.Round(ctx)

@@ -16,9 +16,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -244,7 +244,7 @@ func (a *Auditor) spec(pod *corev1.Pod) (*spec.Spec, error) {
 	if err != nil {
 		return nil, err
 	}
-	res, err := a.o.Mesh.ForPod(corepod.From(pod), ips)
+	res, err := a.o.Mesh.ForPod(k8spod.From(pod), ips)
 	if err != nil {
 		return nil, fmt.Errorf("redirect spec: %w", err)
 	}

@@ -7,32 +7,32 @@ import (
 
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
 // meshedPod is an Istio-injected pod as the plugin reads it; dualStack sets
 // ISTIO_DUAL_STACK=true on its istio-proxy (Istio's proxyMetadata does), ipv6 the
 // meshcni.io/ipv6 annotation ("" for none).
-func meshedPod(dualStack bool, ipv6 string) *podspec.Pod {
-	p := &podspec.Pod{}
+func meshedPod(dualStack bool, ipv6 string) *capture.Pod {
+	p := &capture.Pod{}
 	p.Namespace, p.Name = "app", "web"
-	p.Annotations = map[string]string{podspec.AnnotationStatus: "{}"}
+	p.Annotations = map[string]string{capture.AnnotationStatus: "{}"}
 	if ipv6 != "" {
-		p.Annotations[podspec.AnnotationIPv6] = ipv6
+		p.Annotations[capture.AnnotationIPv6] = ipv6
 	}
-	proxy := podspec.Container{Name: podspec.ProxyContainer, Args: []string{"proxy", "sidecar"}}
+	proxy := capture.Container{Name: capture.ProxyContainer, Args: []string{"proxy", "sidecar"}}
 	if dualStack {
-		proxy.Env = []podspec.EnvVar{{Name: podspec.EnvDualStack, Value: "true"}}
+		proxy.Env = []capture.EnvVar{{Name: capture.EnvDualStack, Value: "true"}}
 	}
-	p.Spec.Containers = []podspec.Container{{Name: "app"}, proxy}
+	p.Spec.Containers = []capture.Container{{Name: "app"}, proxy}
 	return p
 }
 
 // TestIPv6Modes proves each IPv6 mode with real packets in a dual-stack pod
 // (10.250.0.2 and fd00:250::2), identically on every backend. The spec comes from
-// the pod as the plugin derives it (podspec: Istio's decision from ISTIO_DUAL_STACK
+// the pod as the plugin derives it (capture: Istio's decision from ISTIO_DUAL_STACK
 // and the pod's addresses, the mode from the annotation or the node's ipv6 key).
 // The stand-in proxy runs as UID 1337 and listens on IPv4 and IPv6 (0.0.0.0 and
 // [::]), so a captured IPv6 connection shows at its listener with its
@@ -93,9 +93,9 @@ func TestIPv6Modes(t *testing.T) {
 				traffic.StartProxy(t, pod.NetNS, traffic.ProxyOptions{TPROXY: tc.tproxy})
 				mp := meshedPod(tc.dualStack, tc.ann)
 				if tc.tproxy {
-					mp.Annotations[podspec.AnnotationInterceptionMode] = "TPROXY"
+					mp.Annotations[capture.AnnotationInterceptionMode] = "TPROXY"
 				}
-				res, err := podspec.Config{IPv6: tc.node}.ForPod(mp, []netip.Addr{pod.IPv4, pod.IPv6})
+				res, err := capture.Config{IPv6: tc.node}.ForPod(mp, []netip.Addr{pod.IPv4, pod.IPv6})
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -10,9 +10,9 @@ import (
 
 	"github.com/spf13/pflag"
 
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/podget"
-	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // HelperMain is meshcni-podget: it GETs one pod (retrying within --timeout) and writes
@@ -99,7 +99,7 @@ func (q Request) Do(ctx context.Context) podget.Result {
 }
 
 // result classifies GetPod's outcome for the plugin.
-func result(server, kubeconfig string, pod *podspec.Pod, err error) podget.Result {
+func result(server, kubeconfig string, pod *capture.Pod, err error) podget.Result {
 	if err == nil {
 		return podget.Result{Server: server, Pod: pod}
 	}

@@ -24,8 +24,8 @@ import (
 
 	"sigs.k8s.io/yaml"
 
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/podget"
-	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // The kubeconfig is the agent's (or the one the plugin's legacy kubernetes.kubeconfig
@@ -265,7 +265,7 @@ func (c *PodClient) Server() string { return c.cfg.Server.String() }
 
 // GetPod GETs /api/v1/namespaces/NS/pods/NAME, retrying retryable failures with an
 // exponential backoff until ctx ends. The last failure is returned as an *APIError.
-func (c *PodClient) GetPod(ctx context.Context, namespace, name string) (*podspec.Pod, error) {
+func (c *PodClient) GetPod(ctx context.Context, namespace, name string) (*capture.Pod, error) {
 	delay := c.Backoff
 	for attempt := 1; ; attempt++ {
 		pod, err := c.getOnce(ctx, namespace, name)
@@ -292,7 +292,7 @@ func (c *PodClient) GetPod(ctx context.Context, namespace, name string) (*podspe
 	}
 }
 
-func (c *PodClient) getOnce(ctx context.Context, namespace, name string) (*podspec.Pod, error) {
+func (c *PodClient) getOnce(ctx context.Context, namespace, name string) (*capture.Pod, error) {
 	actx, cancel := context.WithTimeout(ctx, c.AttemptTimeout)
 	defer cancel()
 	u := *c.cfg.Server
@@ -301,7 +301,7 @@ func (c *PodClient) getOnce(ctx context.Context, namespace, name string) (*podsp
 	if err != nil {
 		return nil, fmt.Errorf("build request: %w", err)
 	}
-	// JSON into podspec.Pod, which holds only the fields meshcni reads: no k8s.io
+	// JSON into capture.Pod, which holds only the fields meshcni reads: no k8s.io
 	// package is linked (their package init would be paid by every exec of the
 	// plugin), and the decoder skips the rest of the pod.
 	req.Header.Set("Accept", "application/json")
@@ -328,7 +328,7 @@ func (c *PodClient) getOnce(ctx context.Context, namespace, name string) (*podsp
 	if resp.StatusCode != http.StatusOK {
 		return nil, &APIError{Server: server, Status: resp.StatusCode, Err: errors.New(statusMessage(body))}
 	}
-	var pod podspec.Pod
+	var pod capture.Pod
 	if err := json.Unmarshal(body, &pod); err != nil {
 		return nil, fmt.Errorf("decode pod %s/%s from %s: %w", namespace, name, server, err)
 	}

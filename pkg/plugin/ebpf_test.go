@@ -7,8 +7,8 @@ import (
 
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/agentsock"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
-	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // TestAddReportsNetnsCookie: a successful ADD of a meshed pod tells the agent the
@@ -43,7 +43,7 @@ func TestAddReportsNetnsCookie(t *testing.T) {
 			h := newHarness(t)
 			ann := map[string]string{}
 			if tt.annotation != "" {
-				ann[podspec.AnnotationEBPFAcceleration] = tt.annotation
+				ann[capture.AnnotationEBPFAcceleration] = tt.annotation
 			}
 			h.api.AddPod(meshed("app", "web", ann))
 			got := serveCommands(t, h.runDir)

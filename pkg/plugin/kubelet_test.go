@@ -23,9 +23,9 @@ import (
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/podget"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -156,10 +156,10 @@ func nodeEchoPod(ns, name string, meshed bool, mut func(*corev1.Pod)) *corev1.Po
 	p := testbed.EchoPod(name, 0)
 	p.Namespace = ns
 	if meshed {
-		p.Annotations = map[string]string{podspec.AnnotationStatus: `{"containers":["istio-proxy"]}`}
+		p.Annotations = map[string]string{capture.AnnotationStatus: `{"containers":["istio-proxy"]}`}
 		p.Spec.Containers[0].ReadinessProbe = nil
 		p.Spec.Containers = append(p.Spec.Containers, corev1.Container{
-			Name: podspec.ProxyContainer, Image: testbed.EchoImage, ImagePullPolicy: corev1.PullNever,
+			Name: capture.ProxyContainer, Image: testbed.EchoImage, ImagePullPolicy: corev1.PullNever,
 			Env: []corev1.EnvVar{{Name: "PORT", Value: "15021"}},
 		})
 	}
@@ -247,7 +247,7 @@ func TestKubeletChain(t *testing.T) {
 	}{
 		{"plain", meshNS, false, nil},
 		{"excluded-namespace", excludedNS, true, nil},
-		{"inject-false", meshNS, true, func(p *corev1.Pod) { p.Labels[podspec.AnnotationInject] = "false" }},
+		{"inject-false", meshNS, true, func(p *corev1.Pod) { p.Labels[capture.AnnotationInject] = "false" }},
 	} {
 		t.Run(tc.name+" is untouched", func(t *testing.T) {
 			p := nodeEchoPod(tc.ns, tc.name, tc.meshed, tc.mut)

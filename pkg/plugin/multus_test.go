@@ -17,8 +17,8 @@ import (
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/traffic"
 	"github.com/meshcni/meshcni/pkg/agent"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
-	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // staticPods is an agent pod source holding fixed pods (the agent's informer
@@ -42,7 +42,7 @@ func TestMultusStandaloneList(t *testing.T) {
 	testutil.RequireRoot(t)
 	bin := binaries(t)
 	pod := traffic.NewPod(t)
-	k8sPod := injectedPod(e2eNamespace, "multus", withProxyEnv(podspec.EnvDualStack, "true"))
+	k8sPod := injectedPod(e2eNamespace, "multus", withProxyEnv(capture.EnvDualStack, "true"))
 	k8sPod.UID = "uid-multus"
 	runDir := startAgentSocket(t, staticPods{k8sPod.Namespace + "/" + k8sPod.Name: k8sPod})
 	list := standaloneList(t, bin, runDir)

@@ -31,11 +31,11 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/podget"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -87,7 +87,7 @@ type Plugin struct {
 // HTTPS client. Errors are *podget.APIError, *podget.KubeconfigError or
 // *podget.HelperError; fetchPod turns each into a CNI error that says what to do.
 type PodGetter interface {
-	GetPod(ctx context.Context, namespace, name string) (*podspec.Pod, error)
+	GetPod(ctx context.Context, namespace, name string) (*capture.Pod, error)
 	Server() string
 }
 
@@ -202,7 +202,7 @@ func (inv *invocation) skipReason() string {
 	if inv.namespace == "" || inv.name == "" {
 		return "not a Kubernetes pod (no K8S_POD_NAMESPACE/K8S_POD_NAME in CNI_ARGS)"
 	}
-	if inv.cfg.PodspecConfig().ExcludedNamespace(inv.namespace) {
+	if inv.cfg.CaptureConfig().ExcludedNamespace(inv.namespace) {
 		return fmt.Sprintf("namespace %s is excluded", inv.namespace)
 	}
 	return ""
@@ -268,8 +268,8 @@ func (p *Plugin) add(inv *invocation, prev *current.Result) error {
 	if err != nil {
 		return err
 	}
-	d := podspec.Decide(pod, inv.cfg.PodspecConfig())
-	if !d.Meshed {
+	d := capture.Decide(pod, inv.cfg.CaptureConfig())
+	if !d.Captured() {
 		inv.log.Info("pod not meshed", "reason", d.Reason)
 		return nil
 	}
@@ -302,8 +302,8 @@ func (inv *invocation) engineOptions() engine.Options {
 
 // podSpec derives the spec and sets its families from the pod's addresses; it also
 // returns the pod's eBPF acceleration.
-func (p *Plugin) podSpec(inv *invocation, pod *podspec.Pod, prev *current.Result) (*spec.Spec, podspec.Acceleration, error) {
-	res, err := inv.cfg.PodspecConfig().Build(pod)
+func (p *Plugin) podSpec(inv *invocation, pod *capture.Pod, prev *current.Result) (*spec.Spec, capture.Acceleration, error) {
+	res, err := inv.cfg.CaptureConfig().Build(pod)
 	if err != nil {
 		return nil, "", types.NewError(types.ErrInvalidNetworkConfig, fmt.Sprintf(
 			"pod %s/%s: %v; fix the annotation and recreate the pod (no redirect rule was applied)",
@@ -316,7 +316,7 @@ func (p *Plugin) podSpec(inv *invocation, pod *podspec.Pod, prev *current.Result
 	if err != nil {
 		return nil, "", err
 	}
-	podspec.WithFamilies(res.Spec, addrs)
+	capture.WithFamilies(res.Spec, addrs)
 	return res.Spec, res.EBPF, nil
 }
 
@@ -347,7 +347,7 @@ func (p *Plugin) podAddrs(inv *invocation, prev *current.Result) ([]netip.Addr, 
 	return addrs, nil
 }
 
-func trimPodPrefix(err error, pod *podspec.Pod) string {
+func trimPodPrefix(err error, pod *capture.Pod) string {
 	return strings.TrimPrefix(err.Error(), fmt.Sprintf("pod %s/%s: ", pod.Namespace, pod.Name))
 }
 
@@ -364,7 +364,7 @@ func resultAddrs(r *current.Result) []netip.Addr {
 
 // fetchPod GETs the pod within api_timeout and checks its UID. Every failure is a CNI
 // error saying what is wrong and what to do: meshcni fails closed.
-func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*podspec.Pod, error) {
+func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*capture.Pod, error) {
 	const closed = "meshcni fails closed so the pod is not started unredirected"
 	if pod := inv.podFromAgent(ctx); pod != nil {
 		return pod, nil
@@ -391,7 +391,7 @@ func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*podspec.Pod, e
 		return nil, types.NewError(types.ErrInternal, fmt.Sprintf(
 			"the Kubernetes API at %s answered the GET of pod %s/%s with pod %s/%s; %s", getter.Server(), inv.namespace, inv.name, pod.Namespace, pod.Name, closed), "")
 	}
-	if inv.uid != "" && !podspec.IsRuntimePod(pod, inv.uid) {
+	if inv.uid != "" && !capture.IsRuntimePod(pod, inv.uid) {
 		return nil, types.NewError(types.ErrInternal, fmt.Sprintf(
 			"pod %s/%s in the API has UID %s but the runtime is creating UID %s (the pod was deleted and recreated); %s; the runtime will retry with the current pod",
 			inv.namespace, inv.name, pod.UID, inv.uid, closed), "")
@@ -407,7 +407,7 @@ const AgentLookupTimeout = 50 * time.Millisecond
 // on any miss (no agent, an agent without a cache or without the pod, another UID,
 // a timeout, a bad answer): the caller then GETs the pod from the API server, so the
 // agent can make ADD faster but never decides a failure.
-func (inv *invocation) podFromAgent(ctx context.Context) *podspec.Pod {
+func (inv *invocation) podFromAgent(ctx context.Context) *capture.Pod {
 	if inv.sock == nil {
 		return nil
 	}
@@ -415,7 +415,7 @@ func (inv *invocation) podFromAgent(ctx context.Context) *podspec.Pod {
 	ctx, cancel := context.WithTimeout(ctx, AgentLookupTimeout)
 	defer cancel()
 	resp, err := inv.sock.GetPod(ctx, agentsock.PodRequest{Namespace: inv.namespace, Name: inv.name, UID: inv.uid})
-	miss := func(reason string, args ...any) *podspec.Pod {
+	miss := func(reason string, args ...any) *capture.Pod {
 		inv.log.Debug("pod not answered by the agent, asking the API server", append([]any{"reason", reason, "duration", time.Since(t0)}, args...)...)
 		return nil
 	}
@@ -425,14 +425,14 @@ func (inv *invocation) podFromAgent(ctx context.Context) *podspec.Pod {
 	case !resp.Found:
 		return miss(resp.Reason)
 	}
-	var pod podspec.Pod
+	var pod capture.Pod
 	if err := json.Unmarshal(resp.Pod, &pod); err != nil {
 		return miss("undecodable pod", "err", err)
 	}
 	if pod.Namespace != inv.namespace || pod.Name != inv.name {
 		return miss(fmt.Sprintf("the agent answered with pod %s/%s", pod.Namespace, pod.Name))
 	}
-	if inv.uid != "" && !podspec.IsRuntimePod(&pod, inv.uid) {
+	if inv.uid != "" && !capture.IsRuntimePod(&pod, inv.uid) {
 		return miss(fmt.Sprintf("the agent's pod has UID %s, not %s", pod.UID, inv.uid))
 	}
 	inv.log.Debug("pod fetched", "source", "agent", "duration", time.Since(t0))
@@ -547,7 +547,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) (err error) {
 	if err != nil {
 		return err
 	}
-	if d := podspec.Decide(pod, inv.cfg.PodspecConfig()); !d.Meshed {
+	if d := capture.Decide(pod, inv.cfg.CaptureConfig()); !d.Captured() {
 		inv.log.Debug("CHECK: pod not meshed, nothing to check", "reason", d.Reason)
 		return nil
 	}

@@ -27,7 +27,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/capture"
 )
 
 // HelperName is the helper binary's file name, in the plugin's directory.
@@ -39,7 +39,7 @@ type Result struct {
 	// Server is the API server URL from the kubeconfig ("" when the kubeconfig could
 	// not be loaded).
 	Server string       `json:"server,omitempty"`
-	Pod    *podspec.Pod `json:"pod,omitempty"`
+	Pod    *capture.Pod `json:"pod,omitempty"`
 	// Error says what failed; Kind classifies it.
 	Error string `json:"error,omitempty"`
 	Kind  string `json:"kind,omitempty"`
@@ -183,7 +183,7 @@ const (
 // GetPod runs the helper for namespace/name; the helper retries within ctx's
 // deadline and is killed Grace after it. Errors are *APIError, *KubeconfigError or
 // *HelperError.
-func (g *Getter) GetPod(ctx context.Context, namespace, name string) (*podspec.Pod, error) {
+func (g *Getter) GetPod(ctx context.Context, namespace, name string) (*capture.Pod, error) {
 	deadline, ok := ctx.Deadline()
 	if !ok {
 		return nil, &HelperError{Path: g.Helper, Err: errors.New("no deadline for the API request")}
@@ -262,7 +262,7 @@ func (c *capped) Write(p []byte) (int, error) {
 
 // Outcome is the pod of a successful Result, or its failure as an *APIError,
 // *KubeconfigError or *HelperError.
-func (r *Result) Outcome() (*podspec.Pod, error) {
+func (r *Result) Outcome() (*capture.Pod, error) {
 	switch {
 	case r.Error == "" && r.Pod != nil:
 		return r.Pod, nil

@@ -5,16 +5,16 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/capture"
 )
 
 // Names of the containers and annotations Istio's injector adds.
 const (
-	proxyContainer      = podspec.ProxyContainer
-	initContainer       = podspec.InitContainer
+	proxyContainer      = capture.ProxyContainer
+	initContainer       = capture.InitContainer
 	validationContainer = "istio-validation" // with pilot.cni.enabled=true
-	statusAnnotation    = podspec.AnnotationStatus
-	interceptionModeKey = podspec.AnnotationInterceptionMode
+	statusAnnotation    = capture.AnnotationStatus
+	interceptionModeKey = capture.AnnotationInterceptionMode
 )
 
 // meshed reports whether a pod has Istio's sidecar (a container, or a native

@@ -37,13 +37,13 @@ import (
 	"github.com/meshcni/meshcni/internal/traffic"
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/fileutil"
 	"github.com/meshcni/meshcni/pkg/podget"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/repair"
 )
 
@@ -161,11 +161,11 @@ func podSpec(kind podKind) (corev1.PodSpec, map[string]string) {
 		return s, nil
 	}
 	s.Containers = append(s.Containers, corev1.Container{
-		Name: podspec.ProxyContainer, Image: toolsImage, ImagePullPolicy: corev1.PullNever,
+		Name: capture.ProxyContainer, Image: toolsImage, ImagePullPolicy: corev1.PullNever,
 		Command:         []string{"/meshcni-proxysim", "serve", "--ipv6=false"},
 		SecurityContext: nonRoot(1337),
 	})
-	return s, map[string]string{podspec.AnnotationStatus: `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`}
+	return s, map[string]string{capture.AnnotationStatus: `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`}
 }
 
 func newPod(ns, name string, kind podKind) *corev1.Pod {
@@ -478,7 +478,7 @@ func assertRedirected(t *testing.T, ctx context.Context, pod *corev1.Pod) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	res, err := podspec.ForPod(corepod.From(pod), ips)
+	res, err := capture.ForPod(k8spod.From(pod), ips)
 	if err != nil {
 		t.Fatal(err)
 	}

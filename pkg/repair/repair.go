@@ -5,7 +5,7 @@
 //
 //   - repair (in place): find the pod's network namespace on the host (pkg/podnetns;
 //     none when several hold the pod's addresses), hold it open and apply the pod's
-//     redirect there (pkg/podspec, pkg/engine), so the next restart of the init
+//     redirect there (pkg/capture, pkg/engine), so the next restart of the init
 //     container passes; nothing is deleted;
 //   - delete: delete the pod (UID and resourceVersion preconditions) so its
 //     controller recreates it, this time through meshcni's plugin;
@@ -30,8 +30,8 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/validation"
 
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 )
 
 // Action is what the controller does to a broken pod.
@@ -98,8 +98,8 @@ func (c Criteria) Broken(pod *corev1.Pod) (*Failure, string) {
 	if pod.DeletionTimestamp != nil {
 		return nil, "pod is being deleted"
 	}
-	if _, ok := pod.Annotations[podspec.AnnotationStatus]; !ok {
-		return nil, "no " + podspec.AnnotationStatus + " annotation (no Istio sidecar)"
+	if _, ok := pod.Annotations[capture.AnnotationStatus]; !ok {
+		return nil, "no " + capture.AnnotationStatus + " annotation (no Istio sidecar)"
 	}
 	var st *corev1.ContainerStatus
 	for i := range pod.Status.InitContainerStatuses {
@@ -145,7 +145,7 @@ type Policy struct {
 	Action   Action
 	Criteria Criteria
 	// Mesh decides whether a pod is meshed (the agent's excluded namespaces).
-	Mesh podspec.Config
+	Mesh capture.Config
 	// LabelKey is the label the label action sets (to LabelValue).
 	LabelKey string
 	// LabelSelector and FieldSelector narrow the pods considered (nil: all).
@@ -173,7 +173,7 @@ func skip(format string, args ...any) Decision {
 
 // Decide says whether and how to act on pod. It never acts on a pod of another
 // node, a pod the selectors leave out, a pod that is not broken (Criteria.Broken),
-// a pod meshcni does not redirect (podspec.Decide: not meshed, excluded namespace,
+// a pod meshcni does not redirect (capture.Decide: not meshed, excluded namespace,
 // host network), a pod already labelled (label), or a pod whose init container will
 // not run again (repair: phase Failed or Succeeded).
 func Decide(pod *corev1.Pod, p Policy) Decision {
@@ -193,7 +193,7 @@ func Decide(pod *corev1.Pod, p Policy) Decision {
 	if f == nil {
 		return skip("not broken: %s", why)
 	}
-	if d := podspec.Decide(corepod.From(pod), p.Mesh); !d.Meshed {
+	if d := capture.Decide(k8spod.From(pod), p.Mesh); !d.Captured() {
 		return skip("not meshed: %s", d.Reason)
 	}
 	if pod.Spec.HostNetwork {

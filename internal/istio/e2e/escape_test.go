@@ -30,10 +30,10 @@ import (
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/audit"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
 
 // escapePeriod is the agent's audit period in TestIstioEscapeWindowClosed (the chart's
@@ -406,7 +406,7 @@ func checkRedirected(ctx context.Context, t *testing.T, tb *testbed.Testbed, p *
 	if err != nil {
 		t.Fatal(err)
 	}
-	res, err := podspec.ForPod(corepod.From(p), []netip.Addr{netip.MustParseAddr(p.Status.PodIP)})
+	res, err := capture.ForPod(k8spod.From(p), []netip.Addr{netip.MustParseAddr(p.Status.PodIP)})
 	if err != nil {
 		t.Fatal(err)
 	}

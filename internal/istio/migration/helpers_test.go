@@ -22,9 +22,9 @@ import (
 	"github.com/meshcni/meshcni/internal/proxysim"
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
 
 // Audit is what the node sees of one meshed pod's network namespace.
@@ -45,7 +45,7 @@ func audit(ctx context.Context, tb *testbed.Testbed, p *corev1.Pod) (Audit, erro
 	if err != nil {
 		return Audit{}, err
 	}
-	s, err := podspec.Spec(corepod.From(p))
+	s, err := capture.Spec(k8spod.From(p))
 	if err != nil {
 		return Audit{}, fmt.Errorf("spec of %s: %w", p.Name, err)
 	}
@@ -55,7 +55,7 @@ func audit(ctx context.Context, tb *testbed.Testbed, p *corev1.Pod) (Audit, erro
 			ips = append(ips, a)
 		}
 	}
-	podspec.WithFamilies(s, ips)
+	capture.WithFamilies(s, ips)
 	eo := engine.Options{Backend: backend.Auto, NetnsPath: path}
 	live, err := engine.Live(ctx, eo)
 	if err != nil {

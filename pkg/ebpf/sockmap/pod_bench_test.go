@@ -14,8 +14,8 @@ import (
 
 	"github.com/meshcni/meshcni/internal/agenttest"
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
-	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 func TestMain(m *testing.M) {
@@ -93,12 +93,12 @@ func benchPod(ctx context.Context, b *testing.B, tb *testbed.Testbed, name strin
 	p.Namespace = benchNS
 	if meshed {
 		p.Annotations = map[string]string{
-			podspec.AnnotationStatus:           `{"containers":["istio-proxy"]}`,
-			podspec.AnnotationEBPFAcceleration: string(podspec.AccelToProxy),
+			capture.AnnotationStatus:           `{"containers":["istio-proxy"]}`,
+			capture.AnnotationEBPFAcceleration: string(capture.AccelToProxy),
 		}
 		p.Spec.Containers[0].ReadinessProbe = nil // it would be redirected to a proxy not yet there
 		p.Spec.Containers = append(p.Spec.Containers, corev1.Container{
-			Name: podspec.ProxyContainer, Image: testbed.EchoImage, ImagePullPolicy: corev1.PullNever,
+			Name: capture.ProxyContainer, Image: testbed.EchoImage, ImagePullPolicy: corev1.PullNever,
 			Env: []corev1.EnvVar{{Name: "PORT", Value: "15021"}},
 		})
 	}

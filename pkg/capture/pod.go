@@ -1,4 +1,4 @@
-package podspec
+package capture
 
 // Pod holds the fields of a Kubernetes v1 Pod that meshcni reads, and nothing else.
 // Its JSON tags are the Kubernetes API's, so the API server's JSON for a Pod decodes
@@ -6,7 +6,7 @@ package podspec
 // instead of k8s.io/api's v1.Pod: the plugin, which runs once per pod sandbox, then
 // links no k8s.io package (whose size and package init every exec would pay) and
 // decodes only the fields it reads (docs/performance.md).
-// Callers holding a *corev1.Pod convert it with package podspec/corepod.
+// Callers holding a *corev1.Pod convert it with package capture/k8spod.
 type Pod struct {
 	ObjectMeta `json:"metadata"`
 	Spec       PodSpec   `json:"spec"`

@@ -1,4 +1,4 @@
-package podspec
+package capture
 
 import (
 	"errors"
@@ -133,8 +133,12 @@ func TestDecide(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			d := Decide(tt.pod, tt.cfg)
-			if d.Meshed != tt.meshed {
-				t.Fatalf("Meshed = %v (%s), want %v", d.Meshed, d.Reason, tt.meshed)
+			want := ModeNone
+			if tt.meshed {
+				want = ModeSidecar
+			}
+			if d.Mode != want || d.Captured() != tt.meshed {
+				t.Fatalf("Mode = %q, Captured = %v (%s), want %q", d.Mode, d.Captured(), d.Reason, want)
 			}
 			if d.Reason == "" {
 				t.Fatalf("empty reason")

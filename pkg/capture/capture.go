@@ -1,8 +1,9 @@
-// Package podspec decides whether a pod is meshed (has an Istio sidecar whose traffic
-// meshcni must redirect) and derives its redirect spec from the pod's annotations,
-// the istio-proxy container and Istio's defaults, exactly as istio-cni's sidecar
-// plugin does (cni/pkg/plugin/redirect.go). It is pure: no effects, no API calls.
-package podspec
+// Package capture decides whether, and in which mode, meshcni captures a pod's traffic
+// (one mode: ModeSidecar, the pod has an Istio sidecar whose traffic meshcni
+// redirects) and derives its redirect spec from the pod's annotations, the istio-proxy
+// container and Istio's defaults, exactly as istio-cni's sidecar plugin does
+// (cni/pkg/plugin/redirect.go). It is pure: no effects, no API calls.
+package capture
 
 import (
 	"fmt"
@@ -93,11 +94,25 @@ type Config struct {
 	IPv6 spec.IPv6Mode
 }
 
-// Decision says whether a pod is redirected, and why.
+// Mode is how meshcni captures a pod's traffic.
+type Mode string
+
+const (
+	// ModeNone: meshcni leaves the pod's traffic alone.
+	ModeNone Mode = ""
+	// ModeSidecar: the pod's traffic is redirected in its network namespace to its
+	// Istio sidecar (istio-proxy).
+	ModeSidecar Mode = "sidecar"
+)
+
+// Decision says how a pod's traffic is captured (Mode; ModeNone: not at all), and why.
 type Decision struct {
-	Meshed bool
+	Mode   Mode
 	Reason string
 }
+
+// Captured reports whether meshcni captures the pod's traffic in some mode.
+func (d Decision) Captured() bool { return d.Mode != ModeNone }
 
 func skip(format string, args ...any) Decision {
 	return Decision{Reason: fmt.Sprintf(format, args...)}
@@ -170,7 +185,7 @@ func Decide(pod *Pod, cfg Config) Decision {
 	if native {
 		kind = "native sidecar (init container, restartPolicy Always)"
 	}
-	return Decision{Meshed: true, Reason: fmt.Sprintf("%s %s injected by Istio", ProxyContainer, kind)}
+	return Decision{Mode: ModeSidecar, Reason: fmt.Sprintf("%s %s injected by Istio", ProxyContainer, kind)}
 }
 
 // FindProxy returns the istio-proxy container and whether it is a native sidecar.

@@ -1,4 +1,4 @@
-package podspec
+package capture
 
 import (
 	"errors"
@@ -80,7 +80,7 @@ func FuzzSpec(f *testing.F) {
 		set[ProxyContainer+".securityContext.runAsUser"] = true
 		set[ProxyContainer+".securityContext.runAsGroup"] = true
 		d := Decide(pod, Config{})
-		if d.Meshed == strings.EqualFold(strings.TrimSpace(pod.Annotations[AnnotationInterceptionMode]), "NONE") {
+		if d.Captured() == strings.EqualFold(strings.TrimSpace(pod.Annotations[AnnotationInterceptionMode]), "NONE") {
 			t.Fatalf("Decide = %+v with interception mode %q", d, pod.Annotations[AnnotationInterceptionMode])
 		}
 		s, err := Spec(pod)

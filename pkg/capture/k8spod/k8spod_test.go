@@ -1,4 +1,4 @@
-package corepod
+package k8spod
 
 import (
 	"encoding/json"
@@ -8,7 +8,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/capture"
 )
 
 func i64(v int64) *int64 { return &v }
@@ -18,8 +18,8 @@ func fullPod() *corev1.Pod {
 	return &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{
 			Namespace: "app", Name: "web", UID: "uid-1",
-			Labels:          map[string]string{"app": "web", podspec.AnnotationInject: "true"},
-			Annotations:     map[string]string{podspec.AnnotationStatus: "{}", podspec.AnnotationMirror: "uid-0"},
+			Labels:          map[string]string{"app": "web", capture.AnnotationInject: "true"},
+			Annotations:     map[string]string{capture.AnnotationStatus: "{}", capture.AnnotationMirror: "uid-0"},
 			ResourceVersion: "42",
 		},
 		Spec: corev1.PodSpec{
@@ -27,10 +27,10 @@ func fullPod() *corev1.Pod {
 			HostNetwork: true,
 			InitContainers: []corev1.Container{
 				{Name: "setup", Image: "busybox", Command: []string{"true"}},
-				{Name: podspec.ProxyContainer, Image: "istio/proxyv2", RestartPolicy: &always,
+				{Name: capture.ProxyContainer, Image: "istio/proxyv2", RestartPolicy: &always,
 					Args: []string{"proxy", "sidecar"},
 					Env: []corev1.EnvVar{
-						{Name: podspec.EnvDNSCapture, Value: "true"},
+						{Name: capture.EnvDNSCapture, Value: "true"},
 						{Name: "POD_NAME", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "metadata.name"}}},
 					},
 					SecurityContext: &corev1.SecurityContext{RunAsUser: i64(1337), RunAsGroup: i64(1338), Privileged: new(bool)},
@@ -46,21 +46,21 @@ func fullPod() *corev1.Pod {
 }
 
 // TestFromEqualsJSON: the conversion equals decoding the Pod's Kubernetes JSON into
-// podspec.Pod, which is what the plugin does with the API server's answer; so
-// podspec.Pod's JSON tags are the API's and From leaves out nothing podspec reads.
+// capture.Pod, which is what the plugin does with the API server's answer; so
+// capture.Pod's JSON tags are the API's and From leaves out nothing capture reads.
 func TestFromEqualsJSON(t *testing.T) {
 	for name, pod := range map[string]*corev1.Pod{
 		"full":    fullPod(),
 		"minimal": {ObjectMeta: metav1.ObjectMeta{Namespace: "a", Name: "b"}},
-		"env valueFrom only": {Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: podspec.ProxyContainer,
-			Env: []corev1.EnvVar{{Name: podspec.EnvDisableEnvoy, ValueFrom: &corev1.EnvVarSource{}}}}}}},
+		"env valueFrom only": {Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: capture.ProxyContainer,
+			Env: []corev1.EnvVar{{Name: capture.EnvDisableEnvoy, ValueFrom: &corev1.EnvVarSource{}}}}}}},
 	} {
 		t.Run(name, func(t *testing.T) {
 			b, err := json.Marshal(pod)
 			if err != nil {
 				t.Fatal(err)
 			}
-			var want podspec.Pod
+			var want capture.Pod
 			if err := json.Unmarshal(b, &want); err != nil {
 				t.Fatal(err)
 			}
@@ -68,12 +68,12 @@ func TestFromEqualsJSON(t *testing.T) {
 			if !reflect.DeepEqual(got, &want) {
 				t.Errorf("From:\n%+v\nJSON:\n%+v", got, &want)
 			}
-			// And podspec.Pod's own JSON decodes back to itself (the agent's answer).
+			// And capture.Pod's own JSON decodes back to itself (the agent's answer).
 			b2, err := json.Marshal(got)
 			if err != nil {
 				t.Fatal(err)
 			}
-			var back podspec.Pod
+			var back capture.Pod
 			if err := json.Unmarshal(b2, &back); err != nil {
 				t.Fatal(err)
 			}
@@ -87,11 +87,11 @@ func TestFromEqualsJSON(t *testing.T) {
 	}
 }
 
-// TestFromFields: what podspec reads survives the conversion, and podspec derives
+// TestFromFields: what capture reads survives the conversion, and capture derives
 // the spec from it.
 func TestFromFields(t *testing.T) {
 	p := From(fullPod())
-	proxy, native := podspec.FindProxy(p)
+	proxy, native := capture.FindProxy(p)
 	if proxy == nil || !native {
 		t.Fatalf("FindProxy = %v, %v; want the native sidecar", proxy, native)
 	}
@@ -101,10 +101,10 @@ func TestFromFields(t *testing.T) {
 	if *proxy.SecurityContext.RunAsUser != 1337 || *proxy.SecurityContext.RunAsGroup != 1338 {
 		t.Errorf("securityContext = %+v", proxy.SecurityContext)
 	}
-	if !podspec.IsRuntimePod(p, "uid-1") || !podspec.IsRuntimePod(p, "uid-0") || podspec.IsRuntimePod(p, "uid-2") {
+	if !capture.IsRuntimePod(p, "uid-1") || !capture.IsRuntimePod(p, "uid-0") || capture.IsRuntimePod(p, "uid-2") {
 		t.Error("IsRuntimePod wrong on the converted pod")
 	}
-	res, err := podspec.Build(p)
+	res, err := capture.Build(p)
 	if err != nil {
 		t.Fatal(err)
 	}

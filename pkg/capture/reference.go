@@ -1,4 +1,4 @@
-package podspec
+package capture
 
 // Setting documents one pod-level input meshcni reads: an annotation, a label or an
 // environment variable of the istio-proxy container. docs/reference.md is generated
