@@ -120,7 +120,7 @@ FUZZ_TARGETS := \
 	./pkg/spec:FuzzParsePorts ./pkg/spec:FuzzParsePrefixes ./pkg/spec:FuzzParseNames ./pkg/spec:FuzzParseModeBool \
 	./pkg/plugin:FuzzParseConfig ./pkg/plugin:FuzzCNIArgs \
 	./pkg/cniconf:FuzzInjectRemove \
-	./pkg/kubeapi:FuzzParseKubeconfig \
+	./pkg/podget/helper:FuzzParseKubeconfig \
 	./pkg/agentsock:FuzzServeConn \
 	./internal/nl:FuzzNetlinkWalk \
 	./pkg/backend/iptables:FuzzParseSave ./pkg/backend/iptables:FuzzOwnedRule

@@ -23,7 +23,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/kubeapi"
+	"github.com/meshcni/meshcni/pkg/podget/helper"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -108,7 +108,7 @@ func newHarness(t *testing.T) *harness {
 		t.Fatal(err)
 	}
 	h.p.HelperPath = func() (string, error) { return helper, nil }
-	// In-process: the helper's own code (kubeapi) without its exec, which the
+	// In-process: the helper's own code (podget/helper) without its exec, which the
 	// real-API and test-bed tests run.
 	h.p.NewPodGetter = func(path string) (PodGetter, error) {
 		h.gets++
@@ -117,7 +117,7 @@ func newHarness(t *testing.T) *harness {
 	return h
 }
 
-// inProcessGetter is the helper's work (kubeapi.Request) in the test process.
+// inProcessGetter is the helper's work (helper.Request) in the test process.
 type inProcessGetter struct {
 	kubeconfig string
 	server     string
@@ -128,7 +128,7 @@ func (g *inProcessGetter) GetPod(ctx context.Context, namespace, name string) (*
 	if d, ok := ctx.Deadline(); ok {
 		timeout = time.Until(d)
 	}
-	r := kubeapi.Request{Kubeconfig: g.kubeconfig, Namespace: namespace, Name: name, Timeout: timeout, Backoff: 20 * time.Millisecond}.Do(ctx)
+	r := helper.Request{Kubeconfig: g.kubeconfig, Namespace: namespace, Name: name, Timeout: timeout, Backoff: 20 * time.Millisecond}.Do(ctx)
 	g.server = r.Server
 	return r.Outcome()
 }

@@ -1,7 +1,7 @@
 // Package podget is how the meshcni CNI plugin reads a pod from the Kubernetes API
 // when the node agent cannot answer: it runs the helper binary meshcni-podget
-// (cmd/meshcni-podget, pkg/kubeapi), installed next to the plugin, and reads one JSON
-// Result from its standard output.
+// (cmd/meshcni-podget, whose inside is pkg/podget/helper), installed next to the
+// plugin, and reads one JSON Result from its standard output.
 //
 // Why a second binary: the plugin runs once per pod sandbox for ADD and for DEL, and
 // with an agent on the node it never needs the API server. An HTTPS client
@@ -10,7 +10,7 @@
 // The helper pays that start-up only on an agent miss, which also needs a TLS
 // connection to the API server anyway.
 //
-// This package links no network client; pkg/kubeapi implements the helper's side.
+// This package links no network client; its subpackage helper is the helper's side.
 package podget
 
 import (

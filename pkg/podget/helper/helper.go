@@ -1,4 +1,4 @@
-package kubeapi
+package helper
 
 import (
 	"context"
@@ -15,12 +15,12 @@ import (
 	"github.com/meshcni/meshcni/pkg/podget"
 )
 
-// HelperMain is meshcni-podget: it GETs one pod (retrying within --timeout) and writes
+// Main is meshcni-podget: it GETs one pod (retrying within --timeout) and writes
 // one podget.Result as JSON to stdout. It returns the exit status: 0 with the pod, 1
 // on failure (the Result says why), 2 on a usage error. It takes every input as a
 // flag (the plugin runs it with an empty environment); getenv is read only for
 // CNI_COMMAND, to answer a runtime that runs it as a plugin by mistake.
-func HelperMain(args []string, stdout, stderr io.Writer, getenv func(string) string) int {
+func Main(args []string, stdout, stderr io.Writer, getenv func(string) string) int {
 	if getenv("CNI_COMMAND") != "" {
 		// Configured as a plugin by mistake: answer in CNI's error format.
 		_ = json.NewEncoder(stdout).Encode(map[string]any{

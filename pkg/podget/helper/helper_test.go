@@ -1,4 +1,4 @@
-package kubeapi
+package helper
 
 import (
 	"bytes"
@@ -55,7 +55,7 @@ func TestHelperMain(t *testing.T) {
 			api.SetStatus(tt.status)
 			defer api.SetStatus(0)
 			var stdout, stderr bytes.Buffer
-			code := HelperMain(tt.args, &stdout, &stderr, noEnv)
+			code := Main(tt.args, &stdout, &stderr, noEnv)
 			if code != tt.exit {
 				t.Fatalf("exit %d, want %d; stdout %s stderr %s", code, tt.exit, stdout.String(), stderr.String())
 			}
@@ -89,7 +89,7 @@ func TestHelperMain(t *testing.T) {
 // with a CNI error instead of reading flags.
 func TestHelperMainAsCNIPlugin(t *testing.T) {
 	var stdout, stderr bytes.Buffer
-	code := HelperMain(nil, &stdout, &stderr, func(k string) string {
+	code := Main(nil, &stdout, &stderr, func(k string) string {
 		if k == "CNI_COMMAND" {
 			return "ADD"
 		}

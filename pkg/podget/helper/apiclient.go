@@ -1,9 +1,9 @@
-// Package kubeapi GETs one pod from the Kubernetes API server with a kubeconfig, over
-// plain net/http (no client-go: no clientsets, scheme registration or auth plugins).
-// It is the inside of meshcni-podget, the helper the CNI plugin runs when the node
-// agent cannot answer its pod lookup (see pkg/podget, which keeps this package and its
-// TLS stack out of the plugin binary).
-package kubeapi
+// Package helper is the inside of meshcni-podget, the helper the CNI plugin runs when
+// the node agent cannot answer its pod lookup: it GETs one pod from the Kubernetes API
+// server with a kubeconfig, over plain net/http (no client-go: no clientsets, scheme
+// registration or auth plugins). Its parent pkg/podget runs the helper and keeps this
+// package and its TLS stack out of the plugin binary.
+package helper
 
 import (
 	"context"
