@@ -8,7 +8,7 @@ import (
 
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/traffic"
-	"github.com/meshcni/meshcni/pkg/validate"
+	"github.com/meshcni/meshcni/pkg/redirectprobe"
 )
 
 // The arguments Istio's injection template renders for its proxy-init image
@@ -59,8 +59,8 @@ func TestIstioIptablesDropIn(t *testing.T) {
 		t.Logf("meshcnictl %q as uid %d: %v\n%s", args, cred.UID, err, out)
 		return traffic.ExitCode(err)
 	}
-	if code := run(traffic.ProxyCred, istioValidationArgs); code != validate.ExitCode {
-		t.Fatalf("istio-validation without the redirect: exit %d, want %d", code, validate.ExitCode)
+	if code := run(traffic.ProxyCred, istioValidationArgs); code != redirectprobe.ExitCode {
+		t.Fatalf("istio-validation without the redirect: exit %d, want %d", code, redirectprobe.ExitCode)
 	}
 	if code := run(traffic.Root, istioInitArgs); code != 0 {
 		t.Fatalf("istio-init's arguments: exit %d, want 0 (rules applied)", code)
@@ -72,7 +72,7 @@ func TestIstioIptablesDropIn(t *testing.T) {
 	if code := run(traffic.Root, cleanup); code != 0 {
 		t.Fatalf("--cleanup-only: exit %d, want 0", code)
 	}
-	if code := run(traffic.ProxyCred, istioValidationArgs); code != validate.ExitCode {
-		t.Fatalf("istio-validation after --cleanup-only: exit %d, want %d", code, validate.ExitCode)
+	if code := run(traffic.ProxyCred, istioValidationArgs); code != redirectprobe.ExitCode {
+		t.Fatalf("istio-validation after --cleanup-only: exit %d, want %d", code, redirectprobe.ExitCode)
 	}
 }

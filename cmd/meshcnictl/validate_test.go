@@ -8,7 +8,7 @@ import (
 
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/traffic"
-	"github.com/meshcni/meshcni/pkg/validate"
+	"github.com/meshcni/meshcni/pkg/redirectprobe"
 )
 
 func TestValidateFlags(t *testing.T) {
@@ -18,23 +18,23 @@ func TestValidateFlags(t *testing.T) {
 		name    string
 		args    []string
 		env     map[string]string
-		want    func(*validate.Config)
+		want    func(*redirectprobe.Config)
 		wantErr bool
 	}{
-		{name: "defaults", want: func(*validate.Config) {}},
-		{name: "istio-validation container args", args: istioArgs, want: func(*validate.Config) {}},
+		{name: "defaults", want: func(*redirectprobe.Config) {}},
+		{name: "istio-validation container args", args: istioArgs, want: func(*redirectprobe.Config) {}},
 		{name: "ports and timeout flags", args: []string{"-p", "16001", "-z", "16006", "--iptables-probe-port", "16002", "--probe-timeout", "2s"},
-			want: func(c *validate.Config) {
+			want: func(c *redirectprobe.Config) {
 				c.OutboundPort, c.InboundPort, c.ProbePort, c.Timeout = 16001, 16006, 16002, 2*time.Second
 			}},
 		{name: "environment", env: map[string]string{"ENVOY_PORT": "17001", "INBOUND_CAPTURE_PORT": "17006", "IPTABLES_PROBE_PORT": "17002", "PROBE_TIMEOUT": "3s", "ISTIO_DUAL_STACK": "true"},
-			want: func(c *validate.Config) {
+			want: func(c *redirectprobe.Config) {
 				c.OutboundPort, c.InboundPort, c.ProbePort, c.Timeout, c.IPv6 = 17001, 17006, 17002, 3*time.Second, true
 			}},
 		{name: "flag beats environment", args: []string{"-p", "18001"}, env: map[string]string{"ENVOY_PORT": "17001"},
-			want: func(c *validate.Config) { c.OutboundPort = 18001 }},
-		{name: "dual stack flag", args: []string{"--dual-stack"}, want: func(c *validate.Config) { c.IPv6 = true }},
-		{name: "ipv6 only", args: []string{"--ipv4=false", "--ipv6"}, want: func(c *validate.Config) { c.IPv4, c.IPv6 = false, true }},
+			want: func(c *redirectprobe.Config) { c.OutboundPort = 18001 }},
+		{name: "dual stack flag", args: []string{"--dual-stack"}, want: func(c *redirectprobe.Config) { c.IPv6 = true }},
+		{name: "ipv6 only", args: []string{"--ipv4=false", "--ipv6"}, want: func(c *redirectprobe.Config) { c.IPv4, c.IPv6 = false, true }},
 		{name: "bad port", args: []string{"-p", "99999"}, wantErr: true},
 		{name: "bad probe port", args: []string{"--iptables-probe-port", "x"}, wantErr: true},
 		{name: "bad timeout", args: []string{"--probe-timeout", "5"}, wantErr: true},
@@ -59,7 +59,7 @@ func TestValidateFlags(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			want := validate.DefaultConfig()
+			want := redirectprobe.DefaultConfig()
 			tc.want(&want)
 			if got != want {
 				t.Fatalf("config %+v, want %+v", got, want)
@@ -82,8 +82,8 @@ func TestValidateCommandExitCodes(t *testing.T) {
 		return code
 	}
 	start := time.Now()
-	if code := runIn("validate", "--probe-timeout=1s", "--run-validation"); code != validate.ExitCode {
-		t.Fatalf("without rules: exit %d, want %d", code, validate.ExitCode)
+	if code := runIn("validate", "--probe-timeout=1s", "--run-validation"); code != redirectprobe.ExitCode {
+		t.Fatalf("without rules: exit %d, want %d", code, redirectprobe.ExitCode)
 	}
 	if took := time.Since(start); took > 3*time.Second {
 		t.Fatalf("failing took %v with a 1s timeout", took)

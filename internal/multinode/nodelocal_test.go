@@ -15,8 +15,8 @@ import (
 	"github.com/meshcni/meshcni/internal/demo"
 	"github.com/meshcni/meshcni/internal/multinode"
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/pkg/redirectprobe"
 	"github.com/meshcni/meshcni/pkg/repair"
-	"github.com/meshcni/meshcni/pkg/validate"
 )
 
 // agentComponent is the Event source (and reportingController) of the agent's Events.
@@ -103,7 +103,7 @@ func TestNodeLocalScope(t *testing.T) {
 	}
 	pollUntil(ctx, t, time.Minute, "istio-validation of raced to exit 126 on "+b.Name, func() error {
 		p := getPod(ctx, t, tb, ns, raced.Name)
-		if _, exit := validationRuns(p); exit != validate.ExitCode {
+		if _, exit := validationRuns(p); exit != redirectprobe.ExitCode {
 			return fmt.Errorf("on %q, istio-validation last exit %d", p.Spec.NodeName, exit)
 		}
 		raced = p
@@ -112,7 +112,7 @@ func TestNodeLocalScope(t *testing.T) {
 	if live := liveRules(ctx, t, tb, raced); live != "" {
 		t.Fatalf("raced started with meshcni out of %s's chain, yet its netns holds meshcni rules:\n%s", b.Name, live)
 	}
-	t.Logf("race reproduced on %s: raced (uid %s) started without meshcni, istio-validation exited %d", b.Name, raced.UID, validate.ExitCode)
+	t.Logf("race reproduced on %s: raced (uid %s) started without meshcni, istio-validation exited %d", b.Name, raced.UID, redirectprobe.ExitCode)
 
 	resume()
 	resumed := time.Now()

@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/meshcni/meshcni/internal/traffic"
-	"github.com/meshcni/meshcni/pkg/validate"
+	"github.com/meshcni/meshcni/pkg/redirectprobe"
 )
 
 // checkDropIn runs meshcnictl with the arguments the real injector gave a pod's
@@ -30,8 +30,8 @@ func checkDropIn(t *testing.T, injected []string) {
 		t.Logf("meshcnictl %q as uid %d: %v %s", args, cred.UID, err, out)
 		return traffic.ExitCode(err)
 	}
-	if code := run(traffic.ProxyCred, injected); code != validate.ExitCode {
-		t.Errorf("the injector's istio-validation arguments without a redirect: exit %d, want %d", code, validate.ExitCode)
+	if code := run(traffic.ProxyCred, injected); code != redirectprobe.ExitCode {
+		t.Errorf("the injector's istio-validation arguments without a redirect: exit %d, want %d", code, redirectprobe.ExitCode)
 	}
 	if code := run(traffic.Root, apply); code != 0 {
 		t.Fatalf("the same arguments without --run-validation (istio-init): exit %d, want 0", code)

@@ -18,8 +18,8 @@ import (
 	"github.com/meshcni/meshcni/internal/demo"
 	"github.com/meshcni/meshcni/internal/istio"
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/pkg/redirectprobe"
 	"github.com/meshcni/meshcni/pkg/repair"
-	"github.com/meshcni/meshcni/pkg/validate"
 )
 
 const (
@@ -60,11 +60,11 @@ func TestIstioRace(t *testing.T) {
 	}
 	for _, n := range names {
 		p := waitPod(ctx, t, tb, n, "istio-validation to exit 126", func(p *corev1.Pod) bool {
-			return initExit(p, "istio-validation") == validate.ExitCode
+			return initExit(p, "istio-validation") == redirectprobe.ExitCode
 		})
 		checkInjected126(t, p)
 	}
-	t.Logf("istio-validation exited %d in all %d pods %s after they were created", validate.ExitCode, len(names), time.Since(created).Round(time.Millisecond))
+	t.Logf("istio-validation exited %d in all %d pods %s after they were created", redirectprobe.ExitCode, len(names), time.Since(created).Round(time.Millisecond))
 
 	setAgentOff(ctx, t, tb, ds, false)
 	wctx, wcancel := context.WithTimeout(ctx, 3*time.Minute)

@@ -1,6 +1,7 @@
-// Package validate is the logic of the validation init container: it proves, from
-// inside the pod and as the proxy UID (non-root, no capabilities), that the sidecar
-// redirect is in place. It behaves like Istio's `istio-iptables --run-validation`:
+// Package redirectprobe is the logic of the validation init container (meshcnictl
+// validate, Istio's istio-validation): it proves, from inside the pod and as
+// the proxy UID (non-root, no capabilities), that the sidecar redirect is in place.
+// It behaves like Istio's `istio-iptables --run-validation`:
 //
 //   - listen on the outbound and inbound capture ports (15001, 15006) on loopback
 //     (127.0.0.1; ::1 when IPv6 is validated);
@@ -17,7 +18,7 @@
 //
 // All sockets are created on the calling goroutine, so Run may be called from a thread
 // that has entered the pod's network namespace (ns.WithNetNSPath).
-package validate
+package redirectprobe
 
 import (
 	"bufio"

@@ -1,4 +1,4 @@
-package validate_test
+package redirectprobe_test
 
 import (
 	"context"
@@ -17,7 +17,7 @@ import (
 
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/internal/traffic"
-	"github.com/meshcni/meshcni/pkg/validate"
+	"github.com/meshcni/meshcni/pkg/redirectprobe"
 )
 
 // The validator must run as the proxy UID, so the tests re-execute this test binary
@@ -40,14 +40,14 @@ func TestMain(m *testing.M) {
 }
 
 func child() int {
-	cfg := validate.DefaultConfig()
+	cfg := redirectprobe.DefaultConfig()
 	cfg.IPv6 = os.Getenv(childIPv6Env) == "1"
 	if d, err := time.ParseDuration(os.Getenv(childTimeout)); err == nil {
 		cfg.Timeout = d
 	}
-	if err := validate.Run(context.Background(), cfg); err != nil {
+	if err := redirectprobe.Run(context.Background(), cfg); err != nil {
 		fmt.Fprintln(os.Stderr, err)
-		var ve *validate.Error
+		var ve *redirectprobe.Error
 		if errors.As(err, &ve) {
 			return ve.ExitCode()
 		}
@@ -207,13 +207,13 @@ func TestValidatorInPod(t *testing.T) {
 		{name: "istio rules ipv4", v4: istioRules(false), cred: traffic.ProxyCred, wantCode: 0},
 		{name: "istio rules dual stack", v4: istioRules(false), v6: istioRules(true), ipv6: true, cred: traffic.ProxyCred, wantCode: 0},
 		{name: "istio rules with a listener on 15002", v4: istioRules(false), cred: traffic.ProxyCred, listen15: true, wantCode: 0},
-		{name: "no rules", cred: traffic.ProxyCred, wantCode: validate.ExitCode},
-		{name: "no rules, a listener on 15002", cred: traffic.ProxyCred, listen15: true, wantCode: validate.ExitCode},
-		{name: "no proxy-uid loopback redirect, a listener on 15002", v4: without(istioRules(false), "ISTIO_OUTPUT", "ISTIO_IN_REDIRECT"), cred: traffic.ProxyCred, listen15: true, wantCode: validate.ExitCode},
-		{name: "chains not hooked into OUTPUT", v4: without(istioRules(false), "OUTPUT", "ISTIO_OUTPUT", "-p"), cred: traffic.ProxyCred, wantCode: validate.ExitCode},
-		{name: "inbound redirect to the wrong port", v4: replace(istioRules(false), "15006", "15009"), cred: traffic.ProxyCred, wantCode: validate.ExitCode},
-		{name: "ipv4 only rules, ipv6 validated", v4: istioRules(false), ipv6: true, cred: traffic.ProxyCred, wantCode: validate.ExitCode},
-		{name: "validator not run as the proxy uid", v4: istioRules(false), cred: traffic.Root, listen15: true, wantCode: validate.ExitCode},
+		{name: "no rules", cred: traffic.ProxyCred, wantCode: redirectprobe.ExitCode},
+		{name: "no rules, a listener on 15002", cred: traffic.ProxyCred, listen15: true, wantCode: redirectprobe.ExitCode},
+		{name: "no proxy-uid loopback redirect, a listener on 15002", v4: without(istioRules(false), "ISTIO_OUTPUT", "ISTIO_IN_REDIRECT"), cred: traffic.ProxyCred, listen15: true, wantCode: redirectprobe.ExitCode},
+		{name: "chains not hooked into OUTPUT", v4: without(istioRules(false), "OUTPUT", "ISTIO_OUTPUT", "-p"), cred: traffic.ProxyCred, wantCode: redirectprobe.ExitCode},
+		{name: "inbound redirect to the wrong port", v4: replace(istioRules(false), "15006", "15009"), cred: traffic.ProxyCred, wantCode: redirectprobe.ExitCode},
+		{name: "ipv4 only rules, ipv6 validated", v4: istioRules(false), ipv6: true, cred: traffic.ProxyCred, wantCode: redirectprobe.ExitCode},
+		{name: "validator not run as the proxy uid", v4: istioRules(false), cred: traffic.Root, listen15: true, wantCode: redirectprobe.ExitCode},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -223,7 +223,7 @@ func TestValidatorInPod(t *testing.T) {
 			}
 			apply(t, pod.NetNS, false, tc.v4)
 			apply(t, pod.NetNS, true, tc.v6)
-			timeout := validate.DefaultTimeout
+			timeout := redirectprobe.DefaultTimeout
 			if tc.wantCode != 0 {
 				timeout = failTimeout
 			}
@@ -250,20 +250,20 @@ func TestRunInProcess(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireBinary(t, "iptables-nft")
 	pod := traffic.NewPod(t)
-	cfg := validate.DefaultConfig()
+	cfg := redirectprobe.DefaultConfig()
 	cfg.Timeout = time.Second
 
-	err := traffic.InNetns(pod.NetNS, func() error { return validate.Run(context.Background(), cfg) })
-	var ve *validate.Error
-	if !errors.As(err, &ve) || ve.ExitCode() != validate.ExitCode {
-		t.Fatalf("without rules: want *validate.Error with exit code 126, got %v", err)
+	err := traffic.InNetns(pod.NetNS, func() error { return redirectprobe.Run(context.Background(), cfg) })
+	var ve *redirectprobe.Error
+	if !errors.As(err, &ve) || ve.ExitCode() != redirectprobe.ExitCode {
+		t.Fatalf("without rules: want *redirectprobe.Error with exit code 126, got %v", err)
 	}
-	if ve.Reason != validate.ReasonNoConnection || ve.Family != "IPv4" || ve.Attempts < 2 {
+	if ve.Reason != redirectprobe.ReasonNoConnection || ve.Family != "IPv4" || ve.Attempts < 2 {
 		t.Fatalf("error %+v: want no-connection on IPv4 after retries", ve)
 	}
 
-	traffic.Iptables(t, pod.NetNS, false, "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-d", "127.0.0.6", "-j", "REDIRECT", "--to-ports", strconv.Itoa(validate.DefaultInboundPort))
-	if err := traffic.InNetns(pod.NetNS, func() error { return validate.Run(context.Background(), cfg) }); err != nil {
+	traffic.Iptables(t, pod.NetNS, false, "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-d", "127.0.0.6", "-j", "REDIRECT", "--to-ports", strconv.Itoa(redirectprobe.DefaultInboundPort))
+	if err := traffic.InNetns(pod.NetNS, func() error { return redirectprobe.Run(context.Background(), cfg) }); err != nil {
 		t.Fatalf("with a redirect: %v", err)
 	}
 }
@@ -273,11 +273,11 @@ func TestCapturePortBusy(t *testing.T) {
 	testutil.RequireRoot(t)
 	pod := traffic.NewPod(t)
 	traffic.StartApp(t, pod.NetNS, netip.MustParseAddrPort("127.0.0.1:15001"), "busy")
-	cfg := validate.DefaultConfig()
+	cfg := redirectprobe.DefaultConfig()
 	cfg.Timeout = time.Second
-	err := traffic.InNetns(pod.NetNS, func() error { return validate.Run(context.Background(), cfg) })
-	var ve *validate.Error
-	if !errors.As(err, &ve) || ve.Reason != validate.ReasonListen {
+	err := traffic.InNetns(pod.NetNS, func() error { return redirectprobe.Run(context.Background(), cfg) })
+	var ve *redirectprobe.Error
+	if !errors.As(err, &ve) || ve.Reason != redirectprobe.ReasonListen {
 		t.Fatalf("want a listen failure, got %v", err)
 	}
 }
@@ -285,22 +285,22 @@ func TestCapturePortBusy(t *testing.T) {
 func TestConfigErrors(t *testing.T) {
 	tests := []struct {
 		name   string
-		mutate func(*validate.Config)
+		mutate func(*redirectprobe.Config)
 	}{
-		{"probe port is the outbound port", func(c *validate.Config) { c.ProbePort = c.OutboundPort }},
-		{"probe port is the inbound port", func(c *validate.Config) { c.ProbePort = c.InboundPort }},
-		{"no probe port", func(c *validate.Config) { c.ProbePort = 0 }},
-		{"no capture port", func(c *validate.Config) { c.OutboundPort, c.InboundPort = 0, 0 }},
-		{"no timeout", func(c *validate.Config) { c.Timeout = 0 }},
-		{"no family", func(c *validate.Config) { c.IPv4 = false }},
+		{"probe port is the outbound port", func(c *redirectprobe.Config) { c.ProbePort = c.OutboundPort }},
+		{"probe port is the inbound port", func(c *redirectprobe.Config) { c.ProbePort = c.InboundPort }},
+		{"no probe port", func(c *redirectprobe.Config) { c.ProbePort = 0 }},
+		{"no capture port", func(c *redirectprobe.Config) { c.OutboundPort, c.InboundPort = 0, 0 }},
+		{"no timeout", func(c *redirectprobe.Config) { c.Timeout = 0 }},
+		{"no family", func(c *redirectprobe.Config) { c.IPv4 = false }},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			cfg := validate.DefaultConfig()
+			cfg := redirectprobe.DefaultConfig()
 			tc.mutate(&cfg)
-			err := validate.Run(context.Background(), cfg)
-			var ve *validate.Error
-			if !errors.As(err, &ve) || ve.Reason != validate.ReasonConfig || ve.ExitCode() != 126 {
+			err := redirectprobe.Run(context.Background(), cfg)
+			var ve *redirectprobe.Error
+			if !errors.As(err, &ve) || ve.Reason != redirectprobe.ReasonConfig || ve.ExitCode() != 126 {
 				t.Fatalf("want a config *Error, got %v", err)
 			}
 		})
@@ -308,8 +308,8 @@ func TestConfigErrors(t *testing.T) {
 }
 
 func TestErrorMessage(t *testing.T) {
-	e := &validate.Error{
-		Reason: validate.ReasonNotRedirected, Family: "IPv4",
+	e := &redirectprobe.Error{
+		Reason: redirectprobe.ReasonNotRedirected, Family: "IPv4",
 		Probe:     netip.MustParseAddrPort("127.0.0.6:15002"),
 		Listeners: []netip.AddrPort{netip.MustParseAddrPort("127.0.0.1:15001"), netip.MustParseAddrPort("127.0.0.1:15006")},
 		Timeout:   5 * time.Second, Attempts: 20, Detail: "something else accepted it",
