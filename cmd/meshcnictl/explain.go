@@ -15,8 +15,8 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/capture/k8spod"
-	"github.com/meshcni/meshcni/pkg/ctlout"
-	"github.com/meshcni/meshcni/pkg/kubeget"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/kubeget"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/output"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/rules/ipt"
@@ -63,7 +63,7 @@ with the same content.`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx, cancel := context.WithTimeout(cmd.Context(), f.timeout)
 			defer cancel()
-			if _, err := ctlout.ParseFormat(f.output); err != nil {
+			if _, err := output.ParseFormat(f.output); err != nil {
 				return err
 			}
 			pod, err := f.pod(ctx, args)
@@ -133,12 +133,12 @@ func (f *explainFlags) podRef(ref string) (string, string, error) {
 
 // explanation is explain's result for -o json|yaml.
 type explanation struct {
-	ctlout.TypeMeta `json:",inline"`
+	output.TypeMeta `json:",inline"`
 	Pod             string               `json:"pod"` // namespace/name
 	Redirected      bool                 `json:"redirected"`
 	Reason          string               `json:"reason"`
 	Warnings        []string             `json:"warnings,omitempty"`
-	Spec            *ctlout.RedirectSpec `json:"spec,omitempty"`
+	Spec            *output.RedirectSpec `json:"spec,omitempty"`
 	Rules           *ruleText            `json:"rules,omitempty"`
 }
 
@@ -154,8 +154,8 @@ type ruleText struct {
 const explanationKind = "PodRedirectExplanation"
 
 func newExplanation(pod *corev1.Pod, p podPlan) explanation {
-	e := explanation{TypeMeta: ctlout.Meta(explanationKind), Pod: pod.Namespace + "/" + pod.Name,
-		Redirected: p.Decision.Captured(), Reason: p.Decision.Reason, Warnings: p.Warnings, Spec: ctlout.Spec(p.Spec)}
+	e := explanation{TypeMeta: output.Meta(explanationKind), Pod: pod.Namespace + "/" + pod.Name,
+		Redirected: p.Decision.Captured(), Reason: p.Decision.Reason, Warnings: p.Warnings, Spec: output.Spec(p.Spec)}
 	if p.Spec != nil {
 		rs := rules.Build(p.Spec)
 		e.Rules = &ruleText{IPv4: ipt.Restore(rs, rules.V4), IPv6: ipt.Restore(rs, rules.V6)}
@@ -171,8 +171,8 @@ func explain(out io.Writer, pod *corev1.Pod, f *explainFlags) error {
 	if err != nil {
 		return err
 	}
-	if format, _ := ctlout.ParseFormat(f.output); format != ctlout.Text {
-		return ctlout.Write(out, format, newExplanation(pod, p))
+	if format, _ := output.ParseFormat(f.output); format != output.Text {
+		return output.Write(out, format, newExplanation(pod, p))
 	}
 	printPlan(out, pod, p)
 	if p.Spec != nil {

@@ -14,7 +14,7 @@ import (
 	"github.com/meshcni/meshcni/internal/istio"
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/pkg/precheck"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/precheck"
 )
 
 // TestParseIstioInjectorChart reads injector ConfigMaps rendered by Istio's own

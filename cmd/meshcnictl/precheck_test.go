@@ -22,9 +22,9 @@ import (
 	"github.com/meshcni/meshcni/internal/istio"
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/pkg/agentversion"
 	"github.com/meshcni/meshcni/pkg/buildinfo"
-	"github.com/meshcni/meshcni/pkg/precheck"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/agentversion"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/precheck"
 )
 
 const precheckNS = "precheck-e2e"

@@ -1,4 +1,4 @@
-package ctlout
+package output
 
 import (
 	"encoding/json"

@@ -9,7 +9,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/meshcni/meshcni/pkg/kubeget"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/kubeget"
 )
 
 // nadPath lists Multus' NetworkAttachmentDefinitions of every namespace.

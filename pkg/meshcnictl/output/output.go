@@ -1,7 +1,7 @@
-// Package ctlout writes meshcnictl's results as text, JSON or YAML. JSON and YAML
+// Package output writes meshcnictl's results as text, JSON or YAML. JSON and YAML
 // carry a Kubernetes-style envelope (apiVersion, kind) and the result's camelCase
 // field names.
-package ctlout
+package output
 
 import (
 	"encoding/json"
