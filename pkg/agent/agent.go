@@ -21,7 +21,6 @@ import (
 	"github.com/meshcni/meshcni/pkg/buildinfo"
 	"github.com/meshcni/meshcni/pkg/buildinfo/buildmetrics"
 	"github.com/meshcni/meshcni/pkg/capture"
-	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
 	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/nodepods"
 	"github.com/meshcni/meshcni/pkg/podget"
@@ -84,7 +83,7 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 		return nil, err
 	}
 	a.Guard = &Guard{
-		Conf: confdir.Options{
+		Conf: install.ConflistOptions{
 			Dir:            cfg.CNIConfDir,
 			FileName:       cfg.CNIConfFileName,
 			Chained:        cfg.Chained,

@@ -18,7 +18,7 @@ import (
 	"github.com/meshcni/meshcni/internal/traffic"
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/capture"
-	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
+	"github.com/meshcni/meshcni/pkg/install"
 )
 
 // staticPods is an agent pod source holding fixed pods (the agent's informer
@@ -110,7 +110,7 @@ func TestMultusStandaloneList(t *testing.T) {
 }
 
 // standaloneList writes the list as the agent does for Multus (its flags, its
-// confdir.Install) into a fresh configuration directory and loads it as Multus does.
+// install.Install) into a fresh configuration directory and loads it as Multus does.
 func standaloneList(t *testing.T, binDir, runDir string) *libcni.NetworkConfigList {
 	t.Helper()
 	confDir := t.TempDir()
@@ -119,7 +119,7 @@ func standaloneList(t *testing.T, binDir, runDir string) *libcni.NetworkConfigLi
 	if err != nil {
 		t.Fatalf("agent flags: %v", err)
 	}
-	res, err := confdir.Install(confdir.Options{Dir: cfg.CNIConfDir, Chained: cfg.Chained, StandaloneFile: cfg.StandaloneFileName,
+	res, err := install.InstallConflist(install.ConflistOptions{Dir: cfg.CNIConfDir, Chained: cfg.Chained, StandaloneFile: cfg.StandaloneFileName,
 		NetworkName: cfg.NetworkName, Entry: cfg.Entry()})
 	if err != nil {
 		t.Fatalf("install the standalone list: %v", err)

@@ -1,7 +1,9 @@
-// Package confdir finds the node's primary CNI configuration in a directory the way
-// kubelet and libcni do, and installs, checks and removes meshcni's configuration there.
-// It is the agent's side of pkg/cniconf; the plugin needs only pkg/cniconf.
-package confdir
+package install
+
+// The conflist files: find the node's primary CNI configuration in a directory the way
+// kubelet and libcni do, and install, check and remove meshcni's entry there
+// (InstallConflist, CheckConflist, UninstallConflist). The entry itself is pure
+// pkg/cniconf, which is all the plugin needs.
 
 import (
 	"bytes"
@@ -49,7 +51,7 @@ func (e *invalidError) Unwrap() error        { return e.err }
 func (e *invalidError) Is(target error) bool { return target == ErrInvalid }
 
 // Options say where and how meshcni's configuration goes.
-type Options struct {
+type ConflistOptions struct {
 	// Dir is the CNI configuration directory (kubelet's --cni-conf-dir).
 	Dir string
 	// FileName, when not empty, names the primary configuration file instead of the
@@ -67,7 +69,7 @@ type Options struct {
 	Entry cniconf.PluginEntry
 }
 
-func (o Options) standalonePath() string {
+func (o ConflistOptions) standalonePath() string {
 	name := o.StandaloneFile
 	if name == "" {
 		name = "meshcni.conflist"
@@ -112,12 +114,6 @@ type Primary struct {
 type Skipped struct {
 	Path string
 	Err  error
-}
-
-type fileID struct {
-	dev, ino uint64
-	size     int64
-	mtime    int64
 }
 
 func idOf(fi fs.FileInfo) fileID {
@@ -241,7 +237,7 @@ func FindPrimary(dir, fileName string) (p *Primary, skipped []Skipped, err error
 }
 
 // Result says what Install did.
-type Result struct {
+type ConflistResult struct {
 	// Path is the file holding meshcni's entry.
 	Path string
 	// Changed: a file was written.
@@ -267,14 +263,14 @@ type Result struct {
 // (containerd starts no pod while the broken file sorts first), and other files keep
 // their entries until the broken one is valid again. A named primary that does not
 // load is an ErrInvalid, and nothing is written.
-func Install(o Options) (Result, error) {
+func InstallConflist(o ConflistOptions) (ConflistResult, error) {
 	if err := o.Entry.Validate(); err != nil {
-		return Result{}, err
+		return ConflistResult{}, err
 	}
 	if !o.Chained {
 		return installStandalone(o)
 	}
-	var res Result
+	var res ConflistResult
 	var err error
 	for range 5 {
 		res, err = installChained(o)
@@ -285,7 +281,7 @@ func Install(o Options) (Result, error) {
 	return res, err
 }
 
-func installStandalone(o Options) (Result, error) {
+func installStandalone(o ConflistOptions) (ConflistResult, error) {
 	path := o.standalonePath()
 	name := o.NetworkName
 	if name == "" {
@@ -293,9 +289,9 @@ func installStandalone(o Options) (Result, error) {
 	}
 	want, err := cniconf.Standalone(name, o.Entry)
 	if err != nil {
-		return Result{}, err
+		return ConflistResult{}, err
 	}
-	res := Result{Path: path}
+	res := ConflistResult{Path: path}
 	have, _, _, err := readFile(path)
 	if err == nil && bytes.Equal(have, want) {
 		return res, nil
@@ -311,9 +307,9 @@ func installStandalone(o Options) (Result, error) {
 	return res, nil
 }
 
-func installChained(o Options) (Result, error) {
+func installChained(o ConflistOptions) (ConflistResult, error) {
 	p, skipped, err := FindPrimary(o.Dir, o.FileName)
-	res := Result{Skipped: skipped}
+	res := ConflistResult{Skipped: skipped}
 	if err != nil {
 		return res, err
 	}
@@ -415,7 +411,7 @@ func removeEntries(dir, keep string) (cleaned, unseen []string, err error) {
 // entry from the lists in the directory. It returns the files it changed or removed.
 // A list that does not parse is left alone and named in an ErrInvalid: it may hold an
 // entry that will need the plugin once the file is whole again.
-func Uninstall(o Options) ([]string, error) {
+func UninstallConflist(o ConflistOptions) ([]string, error) {
 	if !o.Chained {
 		path := o.standalonePath()
 		if err := os.Remove(path); err != nil {
@@ -435,7 +431,7 @@ func Uninstall(o Options) ([]string, error) {
 
 // Check returns the file holding meshcni's entry, or why it is not in place: a live
 // check for readiness.
-func Check(o Options) (string, error) {
+func CheckConflist(o ConflistOptions) (string, error) {
 	if !o.Chained {
 		path := o.standalonePath()
 		data, _, _, err := readFile(path)

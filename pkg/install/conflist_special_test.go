@@ -1,4 +1,4 @@
-package confdir
+package install
 
 import (
 	"os"

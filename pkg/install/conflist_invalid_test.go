@@ -1,4 +1,4 @@
-package confdir
+package install
 
 import (
 	"errors"
@@ -146,7 +146,7 @@ func TestInstallInvalidFile(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			res, err := Install(Options{Dir: dir, FileName: tc.pin, Chained: true, Entry: testEntry})
+			res, err := InstallConflist(ConflistOptions{Dir: dir, FileName: tc.pin, Chained: true, Entry: testEntry})
 			switch {
 			case tc.noPrimary:
 				if !errors.Is(err, ErrNoPrimary) {
@@ -214,16 +214,16 @@ func TestInstallWhileRewritten(t *testing.T) {
 		}
 		return string(b)
 	}
-	o := Options{Dir: dir, Chained: true, Entry: testEntry}
+	o := ConflistOptions{Dir: dir, Chained: true, Entry: testEntry}
 	write(primary, calicoPlain)
 	write(other, bridgeList)
-	if res, err := Install(o); err != nil || filepath.Base(res.Path) != "10-calico.conflist" {
+	if res, err := InstallConflist(o); err != nil || filepath.Base(res.Path) != "10-calico.conflist" {
 		t.Fatalf("first Install = %+v, %v", res, err)
 	}
 	whole := strings.TrimSpace(read(primary))
 	for _, state := range []string{"", truncated(whole), whole[:len(whole)-1]} {
 		write(primary, state)
-		res, err := Install(o)
+		res, err := InstallConflist(o)
 		if err != nil {
 			t.Fatalf("Install with the primary %q: %v", state, err)
 		}
@@ -236,13 +236,13 @@ func TestInstallWhileRewritten(t *testing.T) {
 		if pt := pluginTypes(t, read(other)); pt != "bridge,meshcni" {
 			t.Errorf("while the primary is invalid, %s holds %q, want bridge,meshcni", other, pt)
 		}
-		if path, err := Check(o); err != nil || path != other {
+		if path, err := CheckConflist(o); err != nil || path != other {
 			t.Errorf("Check = %s, %v; want %s, nil", path, err, other)
 		}
 	}
 	// Complete again, without our entry (the uninstaller rewrote it from its copy).
 	write(primary, calicoPlain)
-	res, err := Install(o)
+	res, err := InstallConflist(o)
 	if err != nil || res.Path != primary || !res.Missing || len(res.Skipped) != 0 {
 		t.Fatalf("Install after the rewrite = %+v, %v; want the entry put back into the primary", res, err)
 	}
@@ -274,7 +274,7 @@ func TestUninstallInvalidList(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	changed, err := Uninstall(Options{Dir: dir, Chained: true, Entry: testEntry})
+	changed, err := UninstallConflist(ConflistOptions{Dir: dir, Chained: true, Entry: testEntry})
 	if !errors.Is(err, ErrInvalid) {
 		t.Fatalf("Uninstall error = %v, want ErrInvalid", err)
 	}

@@ -1,4 +1,4 @@
-package confdir
+package install
 
 import (
 	"bytes"
@@ -37,9 +37,9 @@ type caseOptions struct {
 	UninstallLeaves []string `json:"uninstall_leaves"`
 }
 
-func loadCase(t *testing.T, dir string) (Options, caseOptions) {
+func loadCase(t *testing.T, dir string) (ConflistOptions, caseOptions) {
 	t.Helper()
-	o := Options{Chained: true, Entry: testEntry}
+	o := ConflistOptions{Chained: true, Entry: testEntry}
 	data, err := os.ReadFile(filepath.Join(dir, "options.json"))
 	if errors.Is(err, fs.ErrNotExist) {
 		return o, caseOptions{}
@@ -134,24 +134,24 @@ func TestInstallGolden(t *testing.T) {
 			o.Dir = t.TempDir()
 			copyDir(t, filepath.Join(tc, "before"), o.Dir)
 
-			res, err := Install(o)
+			res, err := InstallConflist(o)
 			if err != nil {
 				t.Fatalf("Install: %v", err)
 			}
 			compareGolden(t, o.Dir, filepath.Join(tc, "after"))
-			if path, err := Check(o); err != nil || path != res.Path {
+			if path, err := CheckConflist(o); err != nil || path != res.Path {
 				t.Errorf("Check after Install = %q, %v; want %q, nil", path, err, res.Path)
 			}
 			for _, s := range res.Skipped {
 				t.Logf("skipped %s: %v", filepath.Base(s.Path), s.Err)
 			}
 
-			again, err := Install(o)
+			again, err := InstallConflist(o)
 			if err != nil || again.Changed || again.Missing {
 				t.Errorf("second Install = %+v, %v; want no change", again, err)
 			}
 
-			_, err = Uninstall(o)
+			_, err = UninstallConflist(o)
 			switch {
 			case len(co.UninstallLeaves) == 0 && err != nil:
 				t.Fatalf("Uninstall: %v", err)
@@ -164,7 +164,7 @@ func TestInstallGolden(t *testing.T) {
 				}
 			}
 			compareGolden(t, o.Dir, filepath.Join(tc, "uninstalled"))
-			if _, err := Check(o); err == nil {
+			if _, err := CheckConflist(o); err == nil {
 				t.Error("Check after Uninstall: nil error, want one")
 			}
 		})
@@ -189,7 +189,7 @@ func TestInstallKeepsMode(t *testing.T) {
 			if err := os.WriteFile(p, []byte(data), tc.mode); err != nil {
 				t.Fatal(err)
 			}
-			res, err := Install(Options{Dir: dir, Chained: true, Entry: testEntry})
+			res, err := InstallConflist(ConflistOptions{Dir: dir, Chained: true, Entry: testEntry})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -239,7 +239,7 @@ func TestInstallBadInput(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			o := Options{Dir: dir, FileName: tc.file, Chained: true, Entry: testEntry}
+			o := ConflistOptions{Dir: dir, FileName: tc.file, Chained: true, Entry: testEntry}
 			if tc.entry != nil {
 				o.Entry = *tc.entry
 			}
@@ -247,7 +247,7 @@ func TestInstallBadInput(t *testing.T) {
 			if tc.dir == "" {
 				before = readDir(t, dir)
 			}
-			_, err := Install(o)
+			_, err := InstallConflist(o)
 			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 				t.Fatalf("Install error = %v, want one containing %q", err, tc.wantErr)
 			}
@@ -265,7 +265,7 @@ func TestInstallBadInput(t *testing.T) {
 					}
 				}
 			}
-			if _, err := Check(o); err == nil {
+			if _, err := CheckConflist(o); err == nil {
 				t.Error("Check: nil error, want one")
 			}
 		})
