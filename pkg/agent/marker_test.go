@@ -17,9 +17,9 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/pkg/agent/nodepods"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/capture"
-	"github.com/meshcni/meshcni/pkg/nodepods"
 )
 
 // markPod is a pod as Istio's injector renders it in the CNI mode (istio-proxy a

@@ -9,13 +9,13 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/meshcni/meshcni/pkg/agent/nodepods"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/capture/k8spod"
-	"github.com/meshcni/meshcni/pkg/nodepods"
 )
 
-// mapPods is a PodSource for this pure-logic test (the real cache, pkg/nodepods, is
+// mapPods is a PodSource for this pure-logic test (the real cache, pkg/agent/nodepods, is
 // exercised against the test bed's API server in pkg/plugin's TestAgentPodLookup).
 type mapPods struct {
 	synced bool

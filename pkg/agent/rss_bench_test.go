@@ -1,7 +1,7 @@
 package agent_test
 
 // The agent's memory with a cluster's worth of pods: the node-scoped informer
-// (pkg/nodepods) must make the agent's RSS follow its node's pods, not the cluster's.
+// (pkg/agent/nodepods) must make the agent's RSS follow its node's pods, not the cluster's.
 //
 //	go test ./pkg/agent -run '^$' -bench AgentRSS -benchtime 3x   # root, test bed built
 //

@@ -53,7 +53,7 @@ const (
 	Spread = 0.75
 )
 
-// Pods is the node's pod cache (pkg/nodepods.Cache).
+// Pods is the node's pod cache (pkg/agent/nodepods.Cache).
 type Pods interface {
 	List() []*corev1.Pod
 	Get(namespace, name string) (*corev1.Pod, bool)

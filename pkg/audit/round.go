@@ -107,7 +107,7 @@ func jittered(p time.Duration) time.Duration {
 	return p + time.Duration((rand.Float64()*2-1)*Jitter*float64(p))
 }
 
-// WaitForSync is what Run waits for before the first round (pkg/nodepods.Cache).
+// WaitForSync is what Run waits for before the first round (pkg/agent/nodepods.Cache).
 type syncer interface {
 	WaitForSync(ctx context.Context) bool
 }

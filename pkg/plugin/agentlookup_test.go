@@ -2,7 +2,7 @@ package plugin_test
 
 // The pod lookup through the node agent: the real agent socket server
 // (pkg/agent.SocketServer) answering from a real informer cache of a node's pods
-// (pkg/nodepods against the test bed's API server); the plugin binary driven through
+// (pkg/agent/nodepods against the test bed's API server); the plugin binary driven through
 // libcni. A counting TCP proxy in front of the API server shows whether the plugin
 // opened a connection to it at all.
 
@@ -29,8 +29,8 @@ import (
 	"github.com/meshcni/meshcni/internal/testbed"
 	"github.com/meshcni/meshcni/internal/testutil"
 	"github.com/meshcni/meshcni/pkg/agent"
+	"github.com/meshcni/meshcni/pkg/agent/nodepods"
 	"github.com/meshcni/meshcni/pkg/agentsock"
-	"github.com/meshcni/meshcni/pkg/nodepods"
 )
 
 // countingProxy forwards TCP to the API server and counts the connections it accepts:

@@ -65,7 +65,7 @@ const (
 	LogRetryLater  = "repair: retry later"    // a transient condition (stale pod, plugin not installed)
 )
 
-// Pods is the node's pod cache (pkg/nodepods.Cache).
+// Pods is the node's pod cache (pkg/agent/nodepods.Cache).
 type Pods interface {
 	Informer() cache.SharedIndexInformer
 	Get(namespace, name string) (*corev1.Pod, bool)

@@ -32,8 +32,8 @@ import (
 
 	"github.com/meshcni/meshcni/internal/apiproxy"
 	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/pkg/agent/nodepods"
 	"github.com/meshcni/meshcni/pkg/backend"
-	"github.com/meshcni/meshcni/pkg/nodepods"
 )
 
 // apiNode is the node of the pods: a Node object, no kubelet.

@@ -12,7 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/meshcni/meshcni/internal/testbed"
-	"github.com/meshcni/meshcni/pkg/nodepods"
+	"github.com/meshcni/meshcni/pkg/agent/nodepods"
 )
 
 func pod(ns, name, node string) *corev1.Pod {
