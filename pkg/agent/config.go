@@ -132,9 +132,6 @@ func (c *Config) ipv6Key() string {
 // MESHCNI_CNI_BIN_DIR.
 const EnvPrefix = "MESHCNI_"
 
-// EnvName returns the environment variable of a flag.
-func EnvName(flagName string) string { return flagenv.Name(EnvPrefix, flagName) }
-
 // ParseFlags reads the configuration from args and the environment (getenv): a flag
 // beats its variable, which beats the default. Every value is parsed and checked.
 func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Config, error) {
