@@ -1,5 +1,5 @@
 // Package agenttest runs the real meshcni-agent binary as a host process wired to the
-// test bed (pkg/testbed): its CNI configuration and plugin directories, its admin
+// test bed (internal/testbed): its CNI configuration and plugin directories, its admin
 // kubeconfig (the agent's own API client and the plugin's kubeconfig source) and its
 // node name. Tests get a handle with the health and metrics URLs, the agent's PID and
 // log, and Stop (SIGTERM, exit code 0 asserted).

@@ -1,7 +1,7 @@
 // Package fakeapi is an httptest TLS server that answers pod GETs the way the
 // Kubernetes API does (JSON pods, Status errors, bearer tokens), for unit tests of the
 // plugin's API path (pkg/podget/helper, pkg/plugin). Tests of Kubernetes behaviour use the
-// real API server of pkg/testbed instead.
+// real API server of internal/testbed instead.
 package fakeapi
 
 import (

@@ -1,7 +1,7 @@
 package agent_test
 
 // The real-node proof: the meshcni-agent binary, as a host process, installs meshcni
-// into the test bed's real CNI configuration directory (pkg/testbed, full mode);
+// into the test bed's real CNI configuration directory (internal/testbed, full mode);
 // kubelet and containerd then run a meshed and a plain pod through the chain; metrics
 // are scraped over HTTP and parsed; SIGTERM uninstalls (or keeps, with
 // --keep-on-exit).

@@ -2,7 +2,7 @@ package plugin_test
 
 // End-to-end tests of the meshcni binary: built with `go build`, run by its CNI
 // contract (environment + stdin) or through libcni behind a test "prevResult"
-// plugin, against a real API server (pkg/testbed, API-only mode) and in real network
+// plugin, against a real API server (internal/testbed, API-only mode) and in real network
 // namespaces with pkg/engine's real backends.
 
 import (
@@ -85,7 +85,7 @@ func binaries(t testing.TB) string {
 	return binDir
 }
 
-// testbedAPI is the package's shared test bed (pkg/testbed, full mode: the API
+// testbedAPI is the package's shared test bed (internal/testbed, full mode: the API
 // server tests need only its API; the kubelet test needs the node).
 func testbedAPI(t testing.TB) *testbed.Testbed {
 	t.Helper()

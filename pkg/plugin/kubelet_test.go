@@ -1,6 +1,6 @@
 package plugin_test
 
-// The full-node proof: kubelet and containerd (pkg/testbed, full mode) call the
+// The full-node proof: kubelet and containerd (internal/testbed, full mode) call the
 // conflist bridge + host-local + portmap + meshcni for pods created through the API
 // server.
 

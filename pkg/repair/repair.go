@@ -37,7 +37,7 @@ import (
 // Action is what the controller does to a broken pod.
 type Action string
 
-// The actions, in the order of preference.
+// The actions, in order of preference: repair in place first, delete, label last.
 const (
 	ActionRepair Action = "repair"
 	ActionDelete Action = "delete"
