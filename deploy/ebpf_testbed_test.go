@@ -21,11 +21,11 @@ import (
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 
-	"github.com/meshcni/meshcni/internal/build/image"
-	"github.com/meshcni/meshcni/internal/proxysim"
-	"github.com/meshcni/meshcni/internal/testbed"
-	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	"github.com/meshcni/meshcni/internal/standin/proxysim"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/traffic"
+	"github.com/meshcni/meshcni/internal/tools/build/image"
 	"github.com/meshcni/meshcni/pkg/capture"
 )
 

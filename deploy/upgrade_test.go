@@ -15,8 +15,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/internal/build/image"
-	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	"github.com/meshcni/meshcni/internal/tools/build/image"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/capture/k8spod"

@@ -6,8 +6,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/traffic"
 )
 
 // TestRulesBadInput: malformed values exit non-zero with a message naming the

@@ -6,8 +6,8 @@ import (
 
 	"github.com/spf13/pflag"
 
-	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/traffic"
 	"github.com/meshcni/meshcni/pkg/redirectprobe"
 )
 

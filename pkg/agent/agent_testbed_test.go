@@ -1,7 +1,7 @@
 package agent_test
 
 // The real-node proof: the meshcni-agent binary, as a host process, installs meshcni
-// into the test bed's real CNI configuration directory (internal/testbed, full mode);
+// into the test bed's real CNI configuration directory (internal/env/testbed, full mode);
 // kubelet and containerd then run a meshed and a plain pod through the chain; metrics
 // are scraped over HTTP and parsed; SIGTERM uninstalls (or keeps, with
 // --keep-on-exit).
@@ -21,8 +21,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 
-	"github.com/meshcni/meshcni/internal/agenttest"
-	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	"github.com/meshcni/meshcni/internal/testkit/agenttest"
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/capture"

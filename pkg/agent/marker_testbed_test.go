@@ -16,7 +16,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/internal/env/testbed"
 	"github.com/meshcni/meshcni/pkg/agent/nodepods"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/capture"

@@ -2,7 +2,7 @@ package capture
 
 // Setting documents one pod-level input meshcni reads: an annotation, a label or an
 // environment variable of the istio-proxy container. docs/reference.md is generated
-// from Settings (internal/refdoc).
+// from Settings (internal/tools/refdoc).
 type Setting struct {
 	Key     string
 	Where   string // "annotation", "label or annotation", "istio-proxy env"

@@ -13,7 +13,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 	"github.com/meshcni/meshcni/pkg/backend"
 	nftb "github.com/meshcni/meshcni/pkg/backend/nftables"
 	"github.com/meshcni/meshcni/pkg/netnsutil"

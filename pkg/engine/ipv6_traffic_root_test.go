@@ -5,8 +5,8 @@ import (
 	"net/netip"
 	"testing"
 
-	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/traffic"
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/spec"

@@ -11,7 +11,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshcni/meshcni/internal/golden"
+	"github.com/meshcni/meshcni/internal/testkit/golden"
 	"github.com/meshcni/meshcni/pkg/cniconf"
 )
 

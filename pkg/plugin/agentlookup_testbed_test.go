@@ -26,8 +26,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/internal/testbed"
-	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/agent/nodepods"
 	"github.com/meshcni/meshcni/pkg/agentsock"

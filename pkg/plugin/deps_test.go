@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 )
 
 // TestPluginLinksNoKubernetes keeps the plugin binary free of Kubernetes' Go

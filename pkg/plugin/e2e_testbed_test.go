@@ -2,7 +2,7 @@ package plugin_test
 
 // End-to-end tests of the meshcni binary: built with `go build`, run by its CNI
 // contract (environment + stdin) or through libcni behind a test "prevResult"
-// plugin, against a real API server (internal/testbed, API-only mode) and in real network
+// plugin, against a real API server (internal/env/testbed, API-only mode) and in real network
 // namespaces with pkg/engine's real backends.
 
 import (
@@ -27,8 +27,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/internal/testbed"
-	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 	"github.com/meshcni/meshcni/pkg/podget"
 )
 
@@ -85,7 +85,7 @@ func binaries(t testing.TB) string {
 	return binDir
 }
 
-// testbedAPI is the package's shared test bed (internal/testbed, full mode: the API
+// testbedAPI is the package's shared test bed (internal/env/testbed, full mode: the API
 // server tests need only its API; the kubelet test needs the node).
 func testbedAPI(t testing.TB) *testbed.Testbed {
 	t.Helper()

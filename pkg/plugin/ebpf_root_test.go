@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"

@@ -1,6 +1,6 @@
 package plugin_test
 
-// The full-node proof: kubelet and containerd (internal/testbed, full mode) call the
+// The full-node proof: kubelet and containerd (internal/env/testbed, full mode) call the
 // conflist bridge + host-local + portmap + meshcni for pods created through the API
 // server.
 
@@ -17,9 +17,9 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/meshcni/meshcni/internal/proxysim"
-	"github.com/meshcni/meshcni/internal/testbed"
-	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	"github.com/meshcni/meshcni/internal/standin/proxysim"
+	"github.com/meshcni/meshcni/internal/testkit/traffic"
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/backend"

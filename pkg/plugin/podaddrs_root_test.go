@@ -8,8 +8,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/meshcni/meshcni/internal/nl"
-	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/traffic"
 )
 
 // addrMsg is an RTM_NEWADDR body: ifaddrmsg, then IFA_ADDRESS and IFA_LOCAL when valid.

@@ -21,8 +21,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/traffic"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 )

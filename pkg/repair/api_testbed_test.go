@@ -4,7 +4,7 @@ package repair
 // this test binary's full node when it is up). Pods are created through the API,
 // bound to a Node object no kubelet runs, and their validation container's status is
 // written through pods/status as a kubelet would. The controller's client (its pod
-// cache, its actions and its Events) goes through internal/apiproxy, which logs every
+// cache, its actions and its Events) goes through internal/standin/apiproxy, which logs every
 // request and can hold the controller's writes to a pod until the test has changed
 // the pod: the action computed from what the controller read reaches the API server
 // after the pod moved on, as a write delayed in flight or a stale cache would. Only
@@ -30,8 +30,8 @@ import (
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/record"
 
-	"github.com/meshcni/meshcni/internal/apiproxy"
-	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	"github.com/meshcni/meshcni/internal/standin/apiproxy"
 	"github.com/meshcni/meshcni/pkg/agent/nodepods"
 	"github.com/meshcni/meshcni/pkg/backend"
 )

@@ -1,6 +1,6 @@
 package repair_test
 
-// The race, reproduced on the real test bed (internal/testbed, full mode): kubelet runs
+// The race, reproduced on the real test bed (internal/env/testbed, full mode): kubelet runs
 // with the primary CNI only, meshed pods start unredirected and their real
 // `meshcnictl validate` init container (UID 1337, non-root, no capabilities) exits
 // 126; then the agent starts (in process: agent.New + AddRepair + Run, pointed at the
@@ -30,11 +30,11 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 
-	"github.com/meshcni/meshcni/internal/build/ociimage"
-	"github.com/meshcni/meshcni/internal/proxysim"
-	"github.com/meshcni/meshcni/internal/testbed"
-	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	"github.com/meshcni/meshcni/internal/standin/proxysim"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/traffic"
+	"github.com/meshcni/meshcni/internal/tools/build/ociimage"
 	"github.com/meshcni/meshcni/pkg/agent"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/capture"

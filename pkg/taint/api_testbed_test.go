@@ -32,8 +32,8 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 
-	"github.com/meshcni/meshcni/internal/testbed"
-	itestutil "github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	itestutil "github.com/meshcni/meshcni/internal/testkit/testutil"
 )
 
 // The test bed is started once for the package (API-only) and stopped by TestMain.

@@ -11,7 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 
-	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/internal/env/testbed"
 	"github.com/meshcni/meshcni/pkg/agent/nodepods"
 )
 

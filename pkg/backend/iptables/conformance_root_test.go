@@ -6,8 +6,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshcni/meshcni/internal/conformance"
-	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/conformance"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/rules"
 )

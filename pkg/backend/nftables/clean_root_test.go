@@ -11,7 +11,7 @@ import (
 
 	"github.com/meshcni/meshcni/internal/nl"
 	"github.com/meshcni/meshcni/internal/nl/nltest"
-	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 	"github.com/meshcni/meshcni/pkg/backend/nftables"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 )

@@ -11,7 +11,7 @@ import (
 	"github.com/cilium/ebpf/btf"
 	"golang.org/x/sys/unix"
 
-	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 )
 
 // TestProgramsAssemble: both programs assemble (labels resolve, every map

@@ -26,7 +26,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	ktypes "k8s.io/apimachinery/pkg/types"
 
-	"github.com/meshcni/meshcni/internal/fakeapi"
+	"github.com/meshcni/meshcni/internal/standin/fakeapi"
 )
 
 func testPod(ns, name, uid string) *corev1.Pod {

@@ -11,7 +11,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshcni/meshcni/internal/fakeapi"
+	"github.com/meshcni/meshcni/internal/standin/fakeapi"
 	"github.com/meshcni/meshcni/pkg/podget"
 )
 
