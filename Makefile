@@ -122,7 +122,7 @@ FUZZ_TARGETS := \
 	./pkg/cniconf:FuzzInjectRemove \
 	./pkg/podget/helper:FuzzParseKubeconfig \
 	./pkg/agentsock:FuzzServeConn \
-	./internal/nl:FuzzNetlinkWalk \
+	./pkg/netlink:FuzzNetlinkWalk \
 	./pkg/backend/iptables:FuzzParseSave ./pkg/backend/iptables:FuzzOwnedRule
 FUZZTIME ?= 1000000x
 FUZZPARALLEL ?= 1

@@ -53,6 +53,8 @@ var ebpfDst = netip.MustParseAddrPort("10.96.77.7:80")
 // network namespace move meshcni_ebpf_redirected_bytes_total, scraped from the agent
 // pod, for the first only, and `meshcnictl inspect` says accelerated for one and not
 // accelerated for the other. helm uninstall removes the programs, maps and pins.
+// First, on the same node with its /sys/fs/bpf covered (no bpffs there), the agent
+// reports the acceleration unavailable and why, and loads nothing.
 func TestHelmEBPF(t *testing.T) {
 	testutil.RequireRoot(t)
 	if _, err := testbed.Lookup(); err != nil {
@@ -93,13 +95,51 @@ func TestHelmEBPF(t *testing.T) {
 			t.Fatalf("helm %s: %v\n%s", strings.Join(args, " "), err, out)
 		}
 	}
-	helmRun("install", release, chartDir, "--namespace", installNamespace, "--values", "testbed-values.yaml",
-		"--set", "ebpf.enabled=true", "--set", "taintController.enabled=false")
-	wctx, wcancel := context.WithTimeout(ctx, 2*time.Minute)
-	defer wcancel()
-	if _, err := tb.WaitDaemonSet(wctx, installNamespace, "meshcni-agent"); err != nil {
-		t.Fatalf("agent: %v\n%s", err, diagnose(ctx, tb))
+	install := func() {
+		t.Helper()
+		helmRun("install", release, chartDir, "--namespace", installNamespace, "--values", "testbed-values.yaml",
+			"--set", "ebpf.enabled=true", "--set", "taintController.enabled=false")
+		wctx, wcancel := context.WithTimeout(ctx, 2*time.Minute)
+		defer wcancel()
+		if _, err := tb.WaitDaemonSet(wctx, installNamespace, "meshcni-agent"); err != nil {
+			t.Fatalf("agent: %v\n%s", err, diagnose(ctx, tb))
+		}
 	}
+	uninstall := func() {
+		t.Helper()
+		helmRun("uninstall", release, "--namespace", installNamespace, "--wait")
+		if err := poll(ctx, time.Minute, func() error {
+			if n := agentPodNames(ctx, t, tb); len(n) > 0 {
+				return fmt.Errorf("agent pods left: %v", n)
+			}
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// A node whose /sys/fs/bpf is not a bpffs (an empty tmpfs over the test bed's,
+	// as a host without one shows the agent an empty directory): acceleration is
+	// unavailable and says why; no pin is made, nor any program loaded behind a
+	// bpffs of the agent container's own.
+	unshadow := shadowBPFFS(t)
+	install()
+	if v := metricValue(t, agentMetrics(t), "meshcni_ebpf_available"); v != 0 {
+		t.Errorf("without a bpffs on the node: meshcni_ebpf_available %v, want 0", v)
+	}
+	if r := agentReadyz(t); !strings.Contains(r, "is not on a bpffs") {
+		t.Errorf("without a bpffs on the node: /readyz %q does not say the pin directory is not on a bpffs", r)
+	}
+	if left := newBPF(liveBPF(t), bpfBefore); len(left) > 0 {
+		t.Errorf("without a bpffs on the node: meshcni's programs or maps loaded anyway (pinned where the node cannot see them): %v", left)
+	}
+	if ents, err := os.ReadDir(ebpfShadow); err != nil || len(ents) > 0 {
+		t.Errorf("without a bpffs on the node: %s holds %v (err %v), want nothing", ebpfShadow, ents, err)
+	}
+	uninstall()
+	unshadow()
+
+	install()
 	checkEBPFAgent(t)
 	if v := metricValue(t, agentMetrics(t), "meshcni_ebpf_available"); v != 1 {
 		t.Fatalf("meshcni_ebpf_available %v, want 1; the agent's /readyz: %s", v, agentReadyz(t))
@@ -136,15 +176,7 @@ func TestHelmEBPF(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	helmRun("uninstall", release, "--namespace", installNamespace, "--wait")
-	if err := poll(ctx, time.Minute, func() error {
-		if n := agentPodNames(ctx, t, tb); len(n) > 0 {
-			return fmt.Errorf("agent pods left: %v", n)
-		}
-		return nil
-	}); err != nil {
-		t.Fatal(err)
-	}
+	uninstall()
 	if _, err := os.Stat(ebpfPinRoot); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("%s left on the node's bpffs after helm uninstall (stat: %v)", ebpfPinRoot, err)
 	}
@@ -157,6 +189,31 @@ func TestHelmEBPF(t *testing.T) {
 	}); err != nil {
 		t.Errorf("after helm uninstall: %v", err)
 	}
+}
+
+// ebpfShadow is the node's bpffs directory, which shadowBPFFS covers.
+const ebpfShadow = "/sys/fs/bpf"
+
+// shadowBPFFS mounts an empty tmpfs over the node's /sys/fs/bpf, so that a container
+// started meanwhile sees no bpffs there (the node's own stays intact beneath), and
+// returns the func that removes it (also run at the test's end).
+func shadowBPFFS(t *testing.T) func() {
+	t.Helper()
+	if err := unix.Mount("tmpfs", ebpfShadow, "tmpfs", 0, "size=1m,mode=0700"); err != nil {
+		t.Fatalf("cover %s with a tmpfs: %v", ebpfShadow, err)
+	}
+	done := false
+	remove := func() {
+		if done {
+			return
+		}
+		done = true
+		if err := unix.Unmount(ebpfShadow, unix.MNT_DETACH); err != nil {
+			t.Errorf("remove the tmpfs over %s: %v", ebpfShadow, err)
+		}
+	}
+	t.Cleanup(remove)
+	return remove
 }
 
 // checkEBPFAgent: the agent container runs under a seccomp filter (RuntimeDefault),

@@ -5,17 +5,17 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/netip"
 	"os"
 	"time"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
 
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/istioflags"
-	"github.com/meshcni/meshcni/pkg/netnsutil"
+	"github.com/meshcni/meshcni/pkg/netlink"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/rules/ipt"
 	"github.com/meshcni/meshcni/pkg/spec"
@@ -123,24 +123,24 @@ func (f *rulesFlags) spec(cmd *cobra.Command) (*spec.Spec, error) {
 	return s, s.Validate()
 }
 
-// netnsAddrs lists the namespace's interface addresses, as istio-iptables reads them.
+// netnsAddrs lists the namespace's interface addresses (every one, as
+// istio-iptables reads them; spec.IstioIPv6 skips loopback and link-local) over
+// pkg/netlink, the product's one address reader.
 func netnsAddrs(netns string) ([]netip.Addr, error) {
-	var out []netip.Addr
-	err := netnsutil.Do(netns, func() error {
-		addrs, err := net.InterfaceAddrs()
-		if err != nil {
-			return fmt.Errorf("list addresses: %w", err)
-		}
-		for _, a := range addrs {
-			if ipn, ok := a.(*net.IPNet); ok {
-				if ip, ok := netip.AddrFromSlice(ipn.IP); ok {
-					out = append(out, ip.Unmap())
-				}
-			}
-		}
-		return nil
-	})
-	return out, err
+	c, err := netlink.OpenIn(netns, unix.NETLINK_ROUTE)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	addrs, err := netlink.ListAddrs(c)
+	if err != nil {
+		return nil, fmt.Errorf("netns %q: %w", netns, err)
+	}
+	out := make([]netip.Addr, len(addrs))
+	for i, a := range addrs {
+		out[i] = a.IP
+	}
+	return out, nil
 }
 
 func runRender(_ context.Context, cmd *cobra.Command, _ *rulesFlags, s *spec.Spec) error {

@@ -87,12 +87,14 @@ type Config struct {
 	AuditFollowAnnotations bool
 
 	// eBPF acceleration (flags in ebpf.go).
-	EBPF                 EBPFMode
-	EBPFDefault          capture.Acceleration
-	EBPFNamespaces       []string
-	EBPFForceUnavailable string
-	EBPFPinDir           string
-	EBPFCgroup2          string
+	EBPF                  EBPFMode
+	EBPFDefault           capture.Acceleration
+	EBPFNamespaces        []string
+	EBPFAllowedNamespaces []string
+	EBPFForceUnavailable  string
+	EBPFPinDir            string
+	EBPFMountBPFFS        bool
+	EBPFCgroup2           string
 }
 
 // DefaultPluginServiceAccount is the plugin's ServiceAccount of the chart's release

@@ -32,12 +32,14 @@ const (
 
 // ebpfFlags defines the eBPF acceleration flags; the returned func parses them.
 func (c *Config) ebpfFlags(fs *pflag.FlagSet) func() error {
-	var mode, def, namespaces string
+	var mode, def, namespaces, allowed string
 	fs.StringVar(&mode, "ebpf-acceleration", string(EBPFOff), "eBPF acceleration of the app ↔ proxy hop inside meshed pods (docs/ebpf.md): off, or auto (load when the node's kernel can run it; pods opt in by meshcni.io/ebpf-acceleration, --ebpf-default or --ebpf-namespaces)")
 	fs.StringVar(&def, "ebpf-default", string(capture.AccelOff), "acceleration of a meshed pod without the meshcni.io/ebpf-acceleration annotation: off, to-proxy (what the app sends to its proxy), both (also what the proxy sends to the app)")
 	fs.StringVar(&namespaces, "ebpf-namespaces", "", "comma-separated namespaces whose meshed pods without the annotation get at least to-proxy")
+	fs.StringVar(&allowed, "ebpf-allowed-namespaces", "", "comma-separated namespaces outside which no pod is accelerated, whatever its meshcni.io/ebpf-acceleration annotation (the operator's fence; a refused annotation is logged); empty: every namespace")
 	fs.StringVar(&c.EBPFForceUnavailable, "ebpf-force-unavailable", "", "make eBPF feature detection fail with this reason, as on a node without the kernel features (tests the fallback)")
-	fs.StringVar(&c.EBPFPinDir, "ebpf-pin-dir", sockmap.DefaultPinDir, "bpffs directory of the pinned programs and maps")
+	fs.StringVar(&c.EBPFPinDir, "ebpf-pin-dir", sockmap.DefaultPinDir, "bpffs directory of the pinned programs and maps; not on a bpffs, the acceleration is unavailable")
+	fs.BoolVar(&c.EBPFMountBPFFS, "ebpf-mount-bpffs", false, "mount a bpffs at "+sockmap.DefaultBPFFS+" when the pin directory is under it and none is mounted, as systemd does at boot: only for an agent running on the host, never in a container (a bpffs mounted there is the container's own and the node does not see the pins)")
 	fs.StringVar(&c.EBPFCgroup2, "ebpf-cgroup2", "", "the host's cgroup2 root (in a container: the host's mounted in, as the chart does), which the sockops program attaches to; a cgroup v1 hierarchy with cgroup2 at its unified/ means that unified/; empty: the root of the agent's cgroup2 mount, or one it mounts")
 	return func() error {
 		switch m := EBPFMode(mode); m {
@@ -51,14 +53,21 @@ func (c *Config) ebpfFlags(fs *pflag.FlagSet) func() error {
 			return err
 		}
 		c.EBPFDefault = a
-		c.EBPFNamespaces = []string{}
-		for _, ns := range strings.Split(namespaces, ",") {
-			if ns = strings.TrimSpace(ns); ns != "" {
-				c.EBPFNamespaces = append(c.EBPFNamespaces, ns)
-			}
-		}
+		c.EBPFNamespaces = splitList(namespaces)
+		c.EBPFAllowedNamespaces = splitList(allowed)
 		return nil
 	}
+}
+
+// splitList is a comma-separated list's non-empty items, spaces trimmed.
+func splitList(s string) []string {
+	out := []string{}
+	for _, v := range strings.Split(s, ",") {
+		if v = strings.TrimSpace(v); v != "" {
+			out = append(out, v)
+		}
+	}
+	return out
 }
 
 // accelerator is what the agent uses of a loaded *sockmap.Accel.
@@ -83,7 +92,10 @@ type ebpfPod struct {
 type EBPF struct {
 	Default    capture.Acceleration
 	Namespaces []string
-	Log        *slog.Logger
+	// Allowed fences acceleration to these namespaces (empty: all), annotations
+	// included: the operator's policy wins over a pod's opt-in.
+	Allowed []string
+	Log     *slog.Logger
 
 	opts   sockmap.Options
 	accel  accelerator // nil: unavailable
@@ -98,8 +110,8 @@ type EBPF struct {
 // newEBPF loads the acceleration as cfg says; a node that cannot run it is not an
 // error: the agent runs on without it.
 func newEBPF(cfg *Config, log *slog.Logger) *EBPF {
-	e := &EBPF{Default: cfg.EBPFDefault, Namespaces: cfg.EBPFNamespaces, Log: log,
-		opts: sockmap.Options{PinDir: cfg.EBPFPinDir, Cgroup2: cfg.EBPFCgroup2, ForceUnavailable: cfg.EBPFForceUnavailable}, pods: map[string]ebpfPod{}}
+	e := &EBPF{Default: cfg.EBPFDefault, Namespaces: cfg.EBPFNamespaces, Allowed: cfg.EBPFAllowedNamespaces, Log: log,
+		opts: sockmap.Options{PinDir: cfg.EBPFPinDir, Cgroup2: cfg.EBPFCgroup2, ForceUnavailable: cfg.EBPFForceUnavailable, MountBPFFS: cfg.EBPFMountBPFFS}, pods: map[string]ebpfPod{}}
 	if cfg.EBPF != EBPFAuto {
 		e.reason = "off (--ebpf-acceleration off)"
 		e.unloadLeftover()
@@ -145,9 +157,12 @@ func (e *EBPF) Detail() string {
 }
 
 // Mode is the acceleration of a pod in namespace ns whose annotation is a (parsed
-// by the plugin; "" without one): the annotation, else at least to-proxy in
-// Namespaces, else Default.
+// by the plugin; "" without one): off outside Allowed (when set), else the
+// annotation, else at least to-proxy in Namespaces, else Default.
 func (e *EBPF) Mode(ns string, a capture.Acceleration) capture.Acceleration {
+	if len(e.Allowed) > 0 && !slices.Contains(e.Allowed, ns) {
+		return capture.AccelOff
+	}
 	if a != capture.AccelDefault {
 		return a
 	}
@@ -184,6 +199,9 @@ func (e *EBPF) enable(r *agentsock.CommandResult) {
 	}
 	mode := e.Mode(r.Pod.Namespace, a)
 	if !mode.On() {
+		if a.On() {
+			log.Warn("eBPF acceleration refused: the pod's annotation opts in outside --ebpf-allowed-namespaces", "annotation", a, "allowed_namespaces", e.Allowed)
+		}
 		return
 	}
 	if err := e.accel.Enable(r.EBPF.NetnsCookie, sockmap.Pod{ProxyUID: r.EBPF.ProxyUID, ToApp: mode == capture.AccelBoth}); err != nil {

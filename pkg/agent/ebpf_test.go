@@ -64,6 +64,37 @@ func TestEBPFMode(t *testing.T) {
 	}
 }
 
+// TestEBPFAllowedNamespaces: the operator's fence wins over a pod's annotation and
+// over the defaults; inside it, everything is as without a fence.
+func TestEBPFAllowedNamespaces(t *testing.T) {
+	for _, tt := range []struct {
+		def  capture.Acceleration
+		ns   string
+		ann  capture.Acceleration
+		want capture.Acceleration
+	}{
+		{capture.AccelOff, "app", capture.AccelBoth, capture.AccelOff},
+		{capture.AccelOff, "app", capture.AccelToProxy, capture.AccelOff},
+		{capture.AccelBoth, "app", capture.AccelDefault, capture.AccelOff},
+		{capture.AccelOff, "fast", capture.AccelBoth, capture.AccelBoth},
+		{capture.AccelOff, "fast", capture.AccelDefault, capture.AccelToProxy},
+		{capture.AccelOff, "other", capture.AccelDefault, capture.AccelOff},
+		{capture.AccelOff, "other", capture.AccelToProxy, capture.AccelToProxy},
+	} {
+		e, _ := newFakeEBPF(tt.def, "fast")
+		e.Allowed = []string{"fast", "other"}
+		if got := e.Mode(tt.ns, tt.ann); got != tt.want {
+			t.Errorf("allowed fast,other; default %q, namespace %s, annotation %q: %q, want %q", tt.def, tt.ns, tt.ann, got, tt.want)
+		}
+	}
+	e, f := newFakeEBPF(capture.AccelOff)
+	e.Allowed = []string{"fast"}
+	e.OnCommand(add("s1", "app", "web", "both", 11))
+	if len(f.allow) != 0 {
+		t.Errorf("annotated pod outside the allowed namespaces enabled: %v", f.allow)
+	}
+}
+
 // TestEBPFEnableDisable: an opted-in pod's ADD puts its cookie on the allow-list
 // with its proxy UID and direction; a pod that did not opt in, a failed ADD and a
 // report without details do not; the sandbox's DEL and the pod's deletion take it

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -14,6 +15,7 @@ import (
 	"github.com/meshcni/meshcni/internal/env/testbed"
 	"github.com/meshcni/meshcni/internal/standin/proxysim"
 	"github.com/meshcni/meshcni/internal/testkit/agenttest"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 	"github.com/meshcni/meshcni/internal/testkit/traffic"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/capture"
@@ -41,7 +43,7 @@ func TestEBPFOnTestbed(t *testing.T) {
 	if err := tb.CreateNamespace(ctx, e2eNS); err != nil && !apierrors.IsAlreadyExists(err) && !strings.Contains(err.Error(), "already exists") {
 		t.Fatal(err)
 	}
-	pins := fmt.Sprintf("/sys/fs/bpf/meshcni-e2e-%d", os.Getpid())
+	pins := filepath.Join(testutil.BPFFS(t), "meshcni-e2e")
 	a := agenttest.Start(t, agenttest.Options{Args: []string{"--ebpf-acceleration", "auto", "--ebpf-pin-dir", pins, "--keep-on-exit=never"}})
 	if v := value(t, a.Metrics(t), "meshcni_ebpf_available", nil); v != 1 {
 		_, body, _ := a.Ready()

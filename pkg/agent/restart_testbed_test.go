@@ -67,7 +67,7 @@ func report(t *testing.T, runDir string, r *agentsock.CommandResult) {
 // state file is gone after the DEL.
 func TestEBPFDelAfterRestart(t *testing.T) {
 	testutil.RequireRoot(t)
-	pins := fmt.Sprintf("%s/meshcni-restart-%d", sockmap.DefaultBPFFS, os.Getpid())
+	pins := filepath.Join(testutil.BPFFS(t), "meshcni-restart")
 	t.Cleanup(func() { // after both agents stopped (cleanups run last in, first out)
 		if err := sockmap.Unload(sockmap.Options{PinDir: pins}); err != nil {
 			t.Errorf("unload: %v", err)

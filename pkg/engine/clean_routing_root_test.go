@@ -12,9 +12,9 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/meshcni/meshcni/internal/nl"
 	"github.com/meshcni/meshcni/internal/testkit/testutil"
 	"github.com/meshcni/meshcni/pkg/backend"
+	nl "github.com/meshcni/meshcni/pkg/netlink"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/spec"
 )

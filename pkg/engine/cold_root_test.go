@@ -116,27 +116,49 @@ func BenchmarkCleanCold(b *testing.B) {
 
 // BenchmarkApplyCold measures engine.Apply (backend auto, pod defaults: IPv4
 // REDIRECT) as the CNI plugin's ADD runs it: once, in a fresh process, into a fresh
-// namespace. Reported: apply-ms (mean) and apply-p50-ms, timed in the child.
+// namespace. Reported: apply-ms (mean) and apply-p50-ms, timed in the child. With
+// MESHCNI_BENCH_BEFORE naming another build of this test binary, every iteration
+// also runs that one (order alternating), and before-apply-p50-ms and
+// apply-p50-ratio (this build's p50 over the other's) compare two builds in the
+// same rounds.
 func BenchmarkApplyCold(b *testing.B) {
 	testutil.RequireRoot(b)
 	self, err := os.Executable()
 	if err != nil {
 		b.Fatal(err)
 	}
-	var ds []time.Duration
+	builds := []string{self}
+	if before := os.Getenv("MESHCNI_BENCH_BEFORE"); before != "" {
+		builds = append(builds, before)
+	}
+	ds := make([][]time.Duration, len(builds))
 	for i := 0; b.Loop(); i++ {
 		b.StopTimer()
-		path, err := testutil.CreateNetns(fmt.Sprintf("mcni-coldapply-%d-%d", os.Getpid(), i))
-		if err != nil {
-			b.Fatal(err)
-		}
-		ds = append(ds, runCold(b, self, coldApplyEnv, path))
-		if err := testutil.DeleteNetns(path); err != nil {
-			b.Fatal(err)
+		for j := range builds {
+			k := (i + j) % len(builds) // alternate which build runs first
+			path, err := testutil.CreateNetns(fmt.Sprintf("mcni-coldapply-%d-%d-%d", os.Getpid(), i, k))
+			if err != nil {
+				b.Fatal(err)
+			}
+			ds[k] = append(ds[k], runCold(b, builds[k], coldApplyEnv, path))
+			if err := testutil.DeleteNetns(path); err != nil {
+				b.Fatal(err)
+			}
 		}
 		b.StartTimer()
 	}
-	reportCold(b, ds, "apply")
+	if len(builds) > 1 {
+		p50, before := median(ds[0]), median(ds[1])
+		reportCold(b, ds[1], "before-apply")
+		b.ReportMetric(float64(p50)/float64(before), "apply-p50-ratio")
+	}
+	reportCold(b, ds[0], "apply")
+}
+
+// median returns the median of ds (sorted in place).
+func median(ds []time.Duration) time.Duration {
+	slices.Sort(ds)
+	return ds[len(ds)/2]
 }
 
 // runCold runs this test binary as the child that env selects, on netns, with the

@@ -4,10 +4,10 @@ import (
 	"context"
 	"fmt"
 
-	"github.com/meshcni/meshcni/internal/nl"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/backend/iptables"
 	"github.com/meshcni/meshcni/pkg/backend/nftables"
+	"github.com/meshcni/meshcni/pkg/netlink"
 )
 
 // New returns the backend of an explicit kind.
@@ -42,16 +42,19 @@ func selectIn(k backend.Kind, netns string, socks *sockets) (backend.Backend, st
 		b, err := New(k)
 		return b, "explicit setting", err
 	}
-	p, err := probeNetns(netns, socks)
+	p, listed, err := probeNetns(netns, socks)
 	if err != nil {
 		return nil, "", err
 	}
+	k, reason := backend.Nftables, "default (nothing in the namespace yet)"
 	if hs := p.holders(); len(hs) > 0 {
-		b, err := New(hs[0])
-		return b, fmt.Sprintf("the namespace already holds %s rules", hs[0]), err
+		k, reason = hs[0], fmt.Sprintf("the namespace already holds %s rules", hs[0])
 	}
-	b, err := New(backend.Nftables)
-	return b, "default (nothing in the namespace yet)", err
+	b, err := New(k)
+	if nb, ok := b.(*nftables.Backend); ok {
+		nb.Listed = listed // the backend's Apply does not list the tables again
+	}
+	return b, reason, err
 }
 
 // probe is what one look at a namespace's tables finds, each backend judging its
@@ -82,8 +85,8 @@ func (p probe) holders() []backend.Kind {
 // probeTables lists the namespace's nftables tables over the nfnetlink socket c
 // (and, when chains is set, looks for ISTIO_* chains in the iptables-nft ones).
 // listed is what the table listing returned, also with an error.
-func probeTables(c *nl.Conn, chains bool) (p probe, listed []nl.Table, err error) {
-	listed, err = nl.ListTables(c)
+func probeTables(c *netlink.Conn, chains bool) (p probe, listed []netlink.Table, err error) {
+	listed, err = netlink.ListTables(c)
 	p.native = len(nftables.Ours(listed)) > 0
 	p.xtnft = iptables.NftTables(listed)
 	if err != nil {
@@ -96,20 +99,28 @@ func probeTables(c *nl.Conn, chains bool) (p probe, listed []nl.Table, err error
 }
 
 // probeNetns is the whole probe of a namespace, from one entry into it: its
-// nftables tables over a netlink socket, and iptables-legacy's from /proc.
-func probeNetns(netns string, socks *sockets) (probe, error) {
+// nftables tables over a netlink socket, and iptables-legacy's from /proc. listed
+// is the table listing (non-nil when it succeeded), for the nftables backend's
+// Apply.
+func probeNetns(netns string, socks *sockets) (p probe, listed []netlink.Table, err error) {
 	ss, err := openSession(netns, wantNf|wantLegacy, socks)
 	if err != nil {
-		return probe{}, err
+		return probe{}, nil, err
 	}
-	p, _, err := probeTables(ss.nf, false)
+	p, listed, err = probeTables(ss.nf, false)
 	ss.close()
 	p.legacy = ss.legacy
-	return p, err
+	if err != nil {
+		return p, nil, err
+	}
+	if listed == nil {
+		listed = []netlink.Table{} // listed, and empty
+	}
+	return p, listed, nil
 }
 
 // holders lists the backends that hold tables in the namespace, in preference order.
 func holders(netns string) ([]backend.Kind, error) {
-	p, err := probeNetns(netns, nil)
+	p, _, err := probeNetns(netns, nil)
 	return p.holders(), err
 }

@@ -5,8 +5,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/meshcni/meshcni/internal/nl"
 	"github.com/meshcni/meshcni/pkg/backend/iptables"
+	"github.com/meshcni/meshcni/pkg/netlink"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/policyroute"
 )
@@ -26,10 +26,10 @@ const (
 // slower: every wait on the socket needs a hand-off of the locked thread; see
 // docs/performance.md.)
 type session struct {
-	nf     *nl.Conn // wantNf; its duplicate is in socks
-	rt     *nl.Conn // wantRoute
-	legacy bool     // wantLegacy
-	ipv6   bool     // wantRoute: the namespace has IPv6 (policyroute.IPv6Here)
+	nf     *netlink.Conn // wantNf; its duplicate is in socks
+	rt     *netlink.Conn // wantRoute
+	legacy bool          // wantLegacy
+	ipv6   bool          // wantRoute: the namespace has IPv6 (policyroute.IPv6Here)
 }
 
 // openSession enters netns ("" = the calling thread's namespace, not left) once
@@ -39,7 +39,7 @@ func openSession(netns string, want int, socks *sockets) (*session, error) {
 	s := &session{}
 	err := netnsutil.Do(netns, func() error {
 		if want&wantNf != 0 {
-			c, err := nl.Open(unix.NETLINK_NETFILTER)
+			c, err := netlink.Open(unix.NETLINK_NETFILTER)
 			if err != nil {
 				return fmt.Errorf("netlink in netns %q: %w", netns, err)
 			}
@@ -47,7 +47,7 @@ func openSession(netns string, want int, socks *sockets) (*session, error) {
 			socks.record(c.Fd())
 		}
 		if want&wantRoute != 0 {
-			h, err := nl.Open(unix.NETLINK_ROUTE)
+			h, err := netlink.Open(unix.NETLINK_ROUTE)
 			if err != nil {
 				return fmt.Errorf("rtnetlink in netns %q: %w", netns, err)
 			}

@@ -7,48 +7,32 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/meshcni/meshcni/internal/nl"
 	"github.com/meshcni/meshcni/internal/testkit/testutil"
 	"github.com/meshcni/meshcni/internal/testkit/traffic"
+	"github.com/meshcni/meshcni/pkg/netlink"
 )
-
-// addrMsg is an RTM_NEWADDR body: ifaddrmsg, then IFA_ADDRESS and IFA_LOCAL when valid.
-func addrMsg(family, scope uint8, address, local netip.Addr) []byte {
-	b := make([]byte, unix.SizeofIfAddrmsg)
-	b[0], b[3] = family, scope
-	if address.IsValid() {
-		b = nl.AppendAttr(b, unix.IFA_ADDRESS, address.AsSlice())
-	}
-	if local.IsValid() {
-		b = nl.AppendAttr(b, unix.IFA_LOCAL, local.AsSlice())
-	}
-	return b
-}
 
 func TestPodAddr(t *testing.T) {
 	a := netip.MustParseAddr
-	none := netip.Addr{}
 	for _, tt := range []struct {
 		name string
-		typ  uint16
-		data []byte
-		want netip.Addr // invalid: not a pod address
+		addr netlink.Addr
+		want bool
 	}{
-		{"ipv4", unix.RTM_NEWADDR, addrMsg(unix.AF_INET, unix.RT_SCOPE_UNIVERSE, a("10.0.0.5"), a("10.0.0.5")), a("10.0.0.5")},
-		{"ipv6 (no IFA_LOCAL)", unix.RTM_NEWADDR, addrMsg(unix.AF_INET6, unix.RT_SCOPE_UNIVERSE, a("fd00::5"), none), a("fd00::5")},
-		{"point-to-point: IFA_LOCAL is ours, IFA_ADDRESS the peer's", unix.RTM_NEWADDR, addrMsg(unix.AF_INET, unix.RT_SCOPE_UNIVERSE, a("169.254.1.1"), a("10.0.0.5")), a("10.0.0.5")},
-		{"loopback ipv4", unix.RTM_NEWADDR, addrMsg(unix.AF_INET, unix.RT_SCOPE_HOST, a("127.0.0.1"), a("127.0.0.1")), none},
-		{"loopback ipv6", unix.RTM_NEWADDR, addrMsg(unix.AF_INET6, unix.RT_SCOPE_HOST, a("::1"), none), none},
-		{"ipv6 link-local", unix.RTM_NEWADDR, addrMsg(unix.AF_INET6, unix.RT_SCOPE_LINK, a("fe80::1"), none), none},
-		{"ipv4 link-local", unix.RTM_NEWADDR, addrMsg(unix.AF_INET, unix.RT_SCOPE_UNIVERSE, a("169.254.3.4"), a("169.254.3.4")), none},
-		{"another message type", unix.RTM_NEWLINK, addrMsg(unix.AF_INET, unix.RT_SCOPE_UNIVERSE, a("10.0.0.5"), a("10.0.0.5")), none},
-		{"short message", unix.RTM_NEWADDR, []byte{unix.AF_INET, 24}, none},
-		{"no address attribute", unix.RTM_NEWADDR, addrMsg(unix.AF_INET, unix.RT_SCOPE_UNIVERSE, none, none), none},
+		{"ipv4", netlink.Addr{IP: a("10.0.0.5"), Scope: unix.RT_SCOPE_UNIVERSE}, true},
+		{"ipv6", netlink.Addr{IP: a("fd00::5"), Scope: unix.RT_SCOPE_UNIVERSE}, true},
+		{"loopback ipv4", netlink.Addr{IP: a("127.0.0.1"), Scope: unix.RT_SCOPE_HOST}, false},
+		{"loopback ipv6", netlink.Addr{IP: a("::1"), Scope: unix.RT_SCOPE_HOST}, false},
+		{"loopback ipv4, scope universe", netlink.Addr{IP: a("127.0.0.2"), Scope: unix.RT_SCOPE_UNIVERSE}, false},
+		{"scope host", netlink.Addr{IP: a("10.0.0.6"), Scope: unix.RT_SCOPE_HOST}, false},
+		{"scope nowhere", netlink.Addr{IP: a("10.0.0.7"), Scope: unix.RT_SCOPE_NOWHERE}, false},
+		{"ipv6 link-local", netlink.Addr{IP: a("fe80::1"), Scope: unix.RT_SCOPE_LINK}, false},
+		{"ipv4 link-local", netlink.Addr{IP: a("169.254.3.4"), Scope: unix.RT_SCOPE_UNIVERSE}, false},
+		{"no address", netlink.Addr{Scope: unix.RT_SCOPE_UNIVERSE}, false},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			got, ok := podAddr(tt.typ, tt.data)
-			if ok != tt.want.IsValid() || got != tt.want {
-				t.Fatalf("podAddr = %v, %v; want %v", got, ok, tt.want)
+			if got := podAddr(tt.addr); got != tt.want {
+				t.Fatalf("podAddr(%+v) = %v, want %v", tt.addr, got, tt.want)
 			}
 		})
 	}

@@ -10,7 +10,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -20,10 +19,10 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
+
+	"github.com/meshcni/meshcni/pkg/netlink"
 )
 
 // DefaultNetnsDirs are where the common container runtimes bind-mount pod network
@@ -402,40 +401,37 @@ func ownNS() (nsID, error) {
 	return id, nil
 }
 
-// holds lists the namespace's addresses over a netlink socket opened in it (no thread
-// of ours enters it beyond the socket's creation) and returns those of ips that sit
-// on a link that is not a loopback, in the order of ips.
+// holds lists the namespace's addresses and links over a netlink socket opened in
+// it (pkg/netlink; no thread of ours enters it beyond the socket's creation) and
+// returns those of ips that sit on a link that is not a loopback, in the order of
+// ips.
 func holds(fd int, ips []netip.Addr) ([]netip.Addr, error) {
-	nl, err := netlink.NewHandleAt(netns.NsHandle(fd), unix.NETLINK_ROUTE)
+	c, err := netlink.OpenIn(fmt.Sprintf("/proc/self/fd/%d", fd), unix.NETLINK_ROUTE)
 	if err != nil {
-		return nil, fmt.Errorf("netlink socket in netns: %w", err)
+		return nil, err
 	}
-	defer nl.Close()
-	addrs, err := nl.AddrList(nil, netlink.FAMILY_ALL)
+	defer c.Close()
+	addrs, err := netlink.ListAddrs(c)
 	if err != nil {
-		return nil, fmt.Errorf("list addresses: %w", err)
+		return nil, err
 	}
+	var links []netlink.Link // listed once, only when an address is one of ips
 	on := map[netip.Addr]bool{}
-	loopback := map[int]bool{}
 	for _, a := range addrs {
-		if a.IPNet == nil {
+		if !slices.Contains(ips, a.IP) {
 			continue
 		}
-		ip, ok := netip.AddrFromSlice(a.IP)
-		if !ok || !slices.Contains(ips, ip.Unmap()) {
-			continue
-		}
-		lo, seen := loopback[a.LinkIndex]
-		if !seen {
-			link, err := nl.LinkByIndex(a.LinkIndex)
-			if err != nil {
-				return nil, fmt.Errorf("link %d: %w", a.LinkIndex, err)
+		if links == nil {
+			if links, err = netlink.ListLinks(c); err != nil {
+				return nil, err
 			}
-			lo = link.Attrs().Flags&net.FlagLoopback != 0
-			loopback[a.LinkIndex] = lo
 		}
-		if !lo {
-			on[ip.Unmap()] = true
+		i := slices.IndexFunc(links, func(l netlink.Link) bool { return l.Index == a.Index })
+		if i < 0 {
+			return nil, fmt.Errorf("address %s on link %d, which the namespace does not list", a.IP, a.Index)
+		}
+		if !links[i].Loopback() {
+			on[a.IP] = true
 		}
 	}
 	var held []netip.Addr

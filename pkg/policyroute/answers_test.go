@@ -7,8 +7,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/meshcni/meshcni/internal/nl"
-	"github.com/meshcni/meshcni/internal/nl/nltest"
+	"github.com/meshcni/meshcni/pkg/netlink"
+	"github.com/meshcni/meshcni/pkg/netlink/nltest"
 )
 
 // TestCleanRoutingAnswers: CleanConn's handling of answers a real kernel gives
@@ -119,7 +119,7 @@ func TestCleanRoutingAnswers(t *testing.T) {
 				}
 				return [][]byte{nltest.Ack(r.Seq, unix.EINVAL)}
 			})
-			err := CleanConn(nl.NewConn(fd, port), tc.ipv6)
+			err := CleanConn(netlink.NewConn(fd, port), tc.ipv6)
 			if tc.wantErr == nil && err != nil || tc.wantErr != nil && !errors.Is(err, tc.wantErr) {
 				t.Errorf("CleanConn = %v, want %v", err, tc.wantErr)
 			}

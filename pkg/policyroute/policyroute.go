@@ -1,8 +1,8 @@
 // Package policyroute is meshcni's policy routing in a pod's network namespace:
 // for TPROXY, `ip rule fwmark M lookup T` and `ip route add local default dev lo
 // table T` per enabled family; for IPv6, the passthrough address ::6 on lo. Apply
-// writes them (github.com/vishvananda/netlink), Check and Clean read and delete
-// them over internal/nl.
+// writes them, Check and Clean read and delete them, over pkg/netlink (one
+// rtnetlink socket opened in the namespace; its I/O runs from outside it).
 package policyroute
 
 import (
@@ -12,10 +12,9 @@ import (
 	"net"
 	"slices"
 
-	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/meshcni/meshcni/internal/nl"
+	"github.com/meshcni/meshcni/pkg/netlink"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/spec"
@@ -51,37 +50,80 @@ func fams(rs *rules.Ruleset) []rules.Family {
 
 // Apply adds ::6 to lo (IPv6) and, for TPROXY, `ip rule fwmark M lookup T` plus
 // `ip route add local default dev lo table T`, per enabled family, in the
-// namespace at netns. It does nothing when the ruleset needs neither.
+// namespace at netns. It does nothing when the ruleset needs neither. An address or
+// rule already there is left as it is; the route is replaced.
 func Apply(netns string, rs *rules.Ruleset) error {
 	if !rs.IPv6Loopback && rs.Route == nil {
 		return nil
 	}
-	return netnsutil.Do(netns, func() error {
-		lo := &netlink.Device{LinkAttrs: netlink.LinkAttrs{Name: "lo", Index: loIndex}}
-		if rs.IPv6Loopback {
-			if err := netlink.AddrAdd(lo, &netlink.Addr{IPNet: ipv6Passthrough}); err != nil && !errors.Is(err, unix.EEXIST) {
-				return fmt.Errorf("add ::6/128 to lo: %w", err)
-			}
+	r, _, err := Open(netns)
+	if err != nil {
+		return err
+	}
+	defer r.Close()
+	return ApplyConn(r, rs)
+}
+
+// ApplyConn is Apply over the rtnetlink socket r.
+func ApplyConn(r *netlink.Conn, rs *rules.Ruleset) error {
+	if rs.IPv6Loopback {
+		if err := r.DoFlags(unix.RTM_NEWADDR, unix.NLM_F_CREATE|unix.NLM_F_EXCL, passthroughMsg()); err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("add ::6/128 to lo: %w", err)
 		}
-		if rs.Route == nil {
-			return nil
-		}
-		for _, f := range fams(rs) {
-			rf := routeFamilies[f]
-			rule := netlink.NewRule()
-			rule.Family = rf.family
-			rule.Mark = rs.Route.Mark
-			rule.Table = int(rs.Route.Table)
-			if err := netlink.RuleAdd(rule); err != nil && !errors.Is(err, unix.EEXIST) {
-				return fmt.Errorf("%s rule fwmark %d lookup %d: %w", f, rs.Route.Mark, rs.Route.Table, err)
-			}
-			route := &netlink.Route{LinkIndex: loIndex, Dst: rf.any, Table: int(rs.Route.Table), Type: unix.RTN_LOCAL, Scope: netlink.SCOPE_HOST, Family: rf.family}
-			if err := netlink.RouteReplace(route); err != nil {
-				return fmt.Errorf("%s route local default dev lo table %d: %w", f, rs.Route.Table, err)
-			}
-		}
+	}
+	if rs.Route == nil {
 		return nil
-	})
+	}
+	for _, f := range fams(rs) {
+		family := uint8(routeFamilies[f].family)
+		if err := r.DoFlags(unix.RTM_NEWRULE, unix.NLM_F_CREATE|unix.NLM_F_EXCL, ruleMsg(family, rs.Route.Mark, rs.Route.Table)); err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("%s rule fwmark %d lookup %d: %w", f, rs.Route.Mark, rs.Route.Table, err)
+		}
+		if err := r.DoFlags(unix.RTM_NEWROUTE, unix.NLM_F_CREATE|unix.NLM_F_REPLACE, localRouteMsg(family, rs.Route.Table)); err != nil {
+			return fmt.Errorf("%s route local default dev lo table %d: %w", f, rs.Route.Table, err)
+		}
+	}
+	return nil
+}
+
+// passthroughMsg is the ifaddrmsg (family, prefixlen, flags, scope, index) and
+// attributes of ::6/128 on lo, as added and as deleted.
+func passthroughMsg() []byte {
+	msg := make([]byte, unix.SizeofIfAddrmsg, unix.SizeofIfAddrmsg+2*(unix.SizeofRtAttr+16))
+	msg[0], msg[1] = unix.AF_INET6, 128
+	binary.NativeEndian.PutUint32(msg[4:8], loIndex)
+	msg = netlink.AppendAttr(msg, unix.IFA_LOCAL, ipv6Passthrough.IP.To16())
+	return netlink.AppendAttr(msg, unix.IFA_ADDRESS, ipv6Passthrough.IP.To16())
+}
+
+// ruleMsg is `ip rule add fwmark mark lookup table` of family: a fib_rule_hdr
+// (family, dst_len, src_len, tos, table, res1, res2, action, flags) with action
+// FR_ACT_TO_TBL, then FRA_FWMARK and FRA_TABLE (the header's table holds only
+// tables below 256).
+func ruleMsg(family uint8, mark, table uint32) []byte {
+	msg := make([]byte, unix.SizeofRtMsg, unix.SizeofRtMsg+2*(unix.SizeofRtAttr+4))
+	msg[0] = family
+	if table < 256 {
+		msg[4] = uint8(table)
+	}
+	msg[7] = unix.FR_ACT_TO_TBL
+	msg = netlink.AppendAttr(msg, unix.FRA_FWMARK, binary.NativeEndian.AppendUint32(nil, mark))
+	return netlink.AppendAttr(msg, unix.FRA_TABLE, binary.NativeEndian.AppendUint32(nil, table))
+}
+
+// localRouteMsg is `ip route add local default dev lo table table` of family: an
+// rtmsg (family, dst_len 0, src_len, tos, table, protocol boot, scope host, type
+// local, flags), then RTA_TABLE and RTA_OIF (lo).
+func localRouteMsg(family uint8, table uint32) []byte {
+	msg := make([]byte, unix.SizeofRtMsg, unix.SizeofRtMsg+2*(unix.SizeofRtAttr+4))
+	msg[0] = family
+	msg[4] = unix.RT_TABLE_UNSPEC
+	if table < 256 {
+		msg[4] = uint8(table)
+	}
+	msg[5], msg[6], msg[7] = unix.RTPROT_BOOT, unix.RT_SCOPE_HOST, unix.RTN_LOCAL
+	msg = netlink.AppendAttr(msg, unix.RTA_TABLE, binary.NativeEndian.AppendUint32(nil, table))
+	return netlink.AppendAttr(msg, unix.RTA_OIF, binary.NativeEndian.AppendUint32(nil, loIndex))
 }
 
 // Check reports what Apply would add that is missing from the namespace at netns
@@ -122,9 +164,9 @@ func localDefault(msg []byte) bool { return msg[7] == unix.RTN_LOCAL && msg[1] =
 
 // Open opens an rtnetlink socket in the namespace at netns ("" = the current one)
 // and reports whether the namespace has IPv6 (see IPv6Here).
-func Open(netns string) (r *nl.Conn, ipv6 bool, err error) {
+func Open(netns string) (r *netlink.Conn, ipv6 bool, err error) {
 	err = netnsutil.Do(netns, func() error {
-		if r, err = nl.Open(unix.NETLINK_ROUTE); err != nil {
+		if r, err = netlink.Open(unix.NETLINK_ROUTE); err != nil {
 			return fmt.Errorf("rtnetlink in netns %q: %w", netns, err)
 		}
 		ipv6 = IPv6Here()
@@ -172,7 +214,7 @@ type rule struct {
 
 // readRules dumps the policy rules of family (AF_UNSPEC: of every family the kernel
 // has) and returns those keep accepts.
-func readRules(r *nl.Conn, family uint8, keep func(rule) bool) ([]rule, error) {
+func readRules(r *netlink.Conn, family uint8, keep func(rule) bool) ([]rule, error) {
 	var out []rule
 	hdr := make([]byte, unix.SizeofRtMsg)
 	hdr[0] = family
@@ -181,7 +223,7 @@ func readRules(r *nl.Conn, family uint8, keep func(rule) bool) ([]rule, error) {
 			return
 		}
 		c := rule{family: data[0], table: uint32(data[4])}
-		nl.Attrs(data[unix.SizeofRtMsg:], func(typ uint16, val []byte) {
+		netlink.Attrs(data[unix.SizeofRtMsg:], func(typ uint16, val []byte) {
 			if len(val) < 4 {
 				return
 			}
@@ -201,7 +243,7 @@ func readRules(r *nl.Conn, family uint8, keep func(rule) bool) ([]rule, error) {
 }
 
 // readRoutes dumps the routes of family and returns their messages by table.
-func readRoutes(r *nl.Conn, family uint8) (map[uint32][][]byte, error) {
+func readRoutes(r *netlink.Conn, family uint8) (map[uint32][][]byte, error) {
 	byTable := map[uint32][][]byte{}
 	hdr := make([]byte, unix.SizeofRtMsg)
 	hdr[0] = family
@@ -211,7 +253,7 @@ func readRoutes(r *nl.Conn, family uint8) (map[uint32][][]byte, error) {
 			return
 		}
 		table := uint32(data[4])
-		nl.Attrs(data[unix.SizeofRtMsg:], func(typ uint16, val []byte) {
+		netlink.Attrs(data[unix.SizeofRtMsg:], func(typ uint16, val []byte) {
 			if typ == unix.RTA_TABLE && len(val) >= 4 {
 				table = binary.NativeEndian.Uint32(val)
 			}
@@ -235,7 +277,7 @@ func familyName(family uint8) rules.Family {
 // lists the rules of both families; a family's routes are dumped only when a
 // candidate rule exists. A rule or route is deleted by sending its own dumped
 // message back as the delete (as `ip rule flush` does).
-func CleanConn(r *nl.Conn, ipv6 bool) error {
+func CleanConn(r *netlink.Conn, ipv6 bool) error {
 	// family AF_UNSPEC: the rules of every family the kernel has.
 	cands, err := readRules(r, unix.AF_UNSPEC, func(c rule) bool {
 		return (c.family == unix.AF_INET || c.family == unix.AF_INET6 && ipv6) && c.mark != 0 && spec.UsableRouteTable(c.table)
@@ -270,13 +312,7 @@ func CleanConn(r *nl.Conn, ipv6 bool) error {
 	if !ipv6 {
 		return errors.Join(errs...)
 	}
-	// ifaddrmsg: family, prefixlen, flags, scope, index
-	msg := make([]byte, unix.SizeofIfAddrmsg, unix.SizeofIfAddrmsg+2*(unix.SizeofRtAttr+16))
-	msg[0], msg[1] = unix.AF_INET6, 128
-	binary.NativeEndian.PutUint32(msg[4:8], loIndex)
-	msg = nl.AppendAttr(msg, unix.IFA_LOCAL, ipv6Passthrough.IP.To16())
-	msg = nl.AppendAttr(msg, unix.IFA_ADDRESS, ipv6Passthrough.IP.To16())
-	if err := r.Do(unix.RTM_DELADDR, msg); err != nil && !delAddrGone(err) {
+	if err := r.Do(unix.RTM_DELADDR, passthroughMsg()); err != nil && !delAddrGone(err) {
 		errs = append(errs, fmt.Errorf("remove ::6 from lo: %w", err))
 	}
 	return errors.Join(errs...)

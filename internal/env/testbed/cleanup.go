@@ -56,6 +56,12 @@ func cleanup(ctx context.Context, log *slog.Logger) error {
 	if err := unmountUnder(BaseDir, RunDir); err != nil {
 		errs = append(errs, err)
 	}
+	if err := removeHostBPFFS(); err != nil {
+		errs = append(errs, err)
+	}
+	if err := restoreHostSysctls(); err != nil {
+		errs = append(errs, err)
+	}
 	for _, l := range nodeLinks() {
 		if err := removeLink(l); err != nil {
 			errs = append(errs, err)
@@ -291,6 +297,9 @@ func Leftovers() []string {
 		if _, err := os.Stat(d); err == nil {
 			out = append(out, "directory "+d)
 		}
+	}
+	if hostBPFFSLeft() {
+		out = append(out, "the bpffs the test bed mounted at "+HostBPFFS)
 	}
 	if links := nodeLinks(); len(links) > 0 {
 		out = append(out, fmt.Sprintf("node links: %v", links))

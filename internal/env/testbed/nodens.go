@@ -154,6 +154,11 @@ func createNodeNetns(p nodePlan) error {
 	if err := netlink.RouteAdd(&netlink.Route{Dst: pods, Gw: net.ParseIP(p.NodeIP()), LinkIndex: host.Attrs().Index}); err != nil {
 		return fmt.Errorf("route %s via %s: %w", p.PodCIDR(), p.NodeIP(), err)
 	}
+	// The host routes between the nodes, as a cluster's network does (Start recorded
+	// the host's setting; cleanup puts it back).
+	if err := os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0o644); err != nil {
+		return fmt.Errorf("host forwarding between nodes: %w", err)
+	}
 	return nil
 }
 

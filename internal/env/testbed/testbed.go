@@ -369,6 +369,14 @@ func (tb *Testbed) start(ctx context.Context, opts Options) error {
 	if err := os.Chmod(etcdDataDir, 0o700); err != nil {
 		return err
 	}
+	if tb.Mode == ModeFull {
+		if err := recordHostSysctls(); err != nil {
+			return err
+		}
+		if err := ensureHostBPFFS(); err != nil {
+			return err
+		}
+	}
 	if _, err := generatePKI(); err != nil {
 		return fmt.Errorf("generate PKI: %w", err)
 	}

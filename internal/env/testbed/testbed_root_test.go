@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -75,14 +76,36 @@ func TestSmokeFullNode(t *testing.T) {
 	requireOwnTestbed(t)
 	for round := 1; round <= 2; round++ {
 		t.Run("round"+strconv.Itoa(round), func(t *testing.T) {
+			before := hostState(t)
 			tb := start(t, Options{})
+			if !isBPFFS(HostBPFFS) {
+				t.Errorf("no bpffs at %s while the test bed runs (a node has one)", HostBPFFS)
+			}
 			smoke(t, tb)
 			stopClean(t, tb)
+			if after := hostState(t); after != before {
+				t.Errorf("the host after Stop: %s, before Start: %s", after, before)
+			}
 		})
 		if t.Failed() {
 			return
 		}
 	}
+}
+
+// hostState is what the test bed changes on the host while it runs and must put
+// back: whether HostBPFFS is a bpffs, and the forwarding sysctls.
+func hostState(t *testing.T) string {
+	t.Helper()
+	st := fmt.Sprintf("bpffs at %s: %v", HostBPFFS, isBPFFS(HostBPFFS))
+	for _, p := range hostSysctls {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		st += fmt.Sprintf(", %s=%s", filepath.Base(filepath.Dir(p))+"/"+filepath.Base(p), strings.TrimSpace(string(b)))
+	}
+	return st
 }
 
 func smoke(t *testing.T, tb *Testbed) {

@@ -5,7 +5,9 @@ package layout
 import (
 	"encoding/json"
 	"io"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -14,12 +16,6 @@ import (
 )
 
 const module = "github.com/meshcni/meshcni"
-
-// productInternal are the internal/ packages that are part of the product (code a
-// node runs), not test, build or demo tools: product packages may import these.
-var productInternal = []string{
-	module + "/internal/nl",
-}
 
 // pure are the packages that turn configuration into rules: no effects (no exec, no
 // netlink, no files, no network, no Kubernetes), so they can be read and tested alone.
@@ -87,14 +83,109 @@ func matches(imp, prefix string) bool {
 }
 
 // TestProductImportsNoTools: nothing a node runs (pkg/*, cmd/*) depends, even
-// indirectly, on a test, build or demo tool under internal/ or on hack/.
+// indirectly, on a package under internal/ (test, build and demo tools only) or on
+// hack/.
 func TestProductImportsNoTools(t *testing.T) {
 	for _, p := range list(t, "./pkg/...", "./cmd/...") {
 		for _, d := range p.Deps {
-			if (matches(d, module+"/internal") && !slices.Contains(productInternal, d)) || matches(d, module+"/hack") {
-				t.Errorf("%s depends on %s: product code must not import test, build or demo tools", p.ImportPath, d)
+			if matches(d, module+"/internal") || matches(d, module+"/hack") {
+				t.Errorf("%s depends on %s: product code must not import internal/ (test, build or demo tools)", p.ImportPath, d)
 			}
 		}
+	}
+}
+
+// netlinkClients are the netlink client libraries a Go program can link. A shipped
+// command links pkg/netlink, meshcni's own, for every rtnetlink and nfnetlink read
+// and rtnetlink write; mdlayher/netlink only as google/nftables' transport (the
+// nftables backend's rule batches and rule reads), imported by nothing else.
+var netlinkClients = []string{
+	module + "/pkg/netlink",
+	"github.com/mdlayher/netlink",
+	"github.com/vishvananda/netlink",
+	"github.com/jsimonetti/rtnetlink",
+}
+
+// nftablesTransport are the packages that may import mdlayher/netlink: google/nftables
+// itself, mdlayher's own, and the nftables backend (google/nftables' socket options
+// hand it a *netlink.Conn).
+var nftablesTransport = []string{"github.com/google/nftables", "github.com/mdlayher/", module + "/pkg/backend/nftables"}
+
+// TestCommandsLinkOneNetlinkStack: every shipped command (cmd/*) reads and writes
+// netlink through pkg/netlink only; a general netlink library comes in only as
+// google/nftables' own transport. Each command's netlink packages are logged.
+func TestCommandsLinkOneNetlinkStack(t *testing.T) {
+	cmds := list(t, "./cmd/...")
+	var deps []string
+	for _, c := range cmds {
+		deps = append(deps, c.Deps...)
+	}
+	importers := map[string]pkg{}
+	for _, p := range list(t, deps...) {
+		importers[p.ImportPath] = p
+	}
+	for _, c := range cmds {
+		var linked []string
+		for _, d := range c.Deps {
+			for _, l := range netlinkClients {
+				if matches(d, l) {
+					linked = append(linked, d)
+				}
+			}
+			if matches(d, "github.com/vishvananda/netlink") || matches(d, "github.com/jsimonetti/rtnetlink") {
+				t.Errorf("%s links %s: shipped commands use pkg/netlink for netlink", c.ImportPath, d)
+			}
+			for _, imp := range importers[d].Imports {
+				if matches(imp, "github.com/mdlayher/netlink") && !slices.ContainsFunc(nftablesTransport, func(p string) bool { return matches(d, p) }) {
+					t.Errorf("%s (linked by %s) imports %s: mdlayher/netlink is google/nftables' transport only; use pkg/netlink", d, c.ImportPath, imp)
+				}
+			}
+		}
+		t.Logf("%s links netlink packages %v", c.ImportPath, linked)
+	}
+}
+
+// The plugin's footprint ceilings: today's figures (docs/performance.md, "The
+// plugin binary"). The plugin runs once per pod sandbox for ADD and for DEL; a
+// change that raises either one raises it here, on purpose, with its figure.
+const (
+	pluginMaxDeps  = 131       // go list -deps ./cmd/meshcni | wc -l
+	pluginMaxBytes = 4_280_482 // CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' ./cmd/meshcni
+)
+
+// TestPluginFootprint: the plugin's package count and stripped binary size, logged,
+// do not exceed their ceilings.
+func TestPluginFootprint(t *testing.T) {
+	p := list(t, "./cmd/meshcni")[0]
+	deps := len(p.Deps) + 1 // go list -deps also lists the command itself
+	var netlinkDeps int
+	for _, d := range p.Deps {
+		if strings.Contains(d, "netlink") {
+			netlinkDeps++
+		}
+	}
+	gobin := testutil.RequireBinary(t, "go")
+	root, err := testutil.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(t.TempDir(), "meshcni")
+	cmd := exec.Command(gobin, "build", "-trimpath", "-ldflags=-s -w", "-o", bin, "./cmd/meshcni")
+	cmd.Dir = root
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build ./cmd/meshcni: %v\n%s", err, out)
+	}
+	st, err := os.Stat(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("cmd/meshcni: %d packages (%d with netlink in their path), %d bytes stripped (ceilings %d, %d)", deps, netlinkDeps, st.Size(), pluginMaxDeps, pluginMaxBytes)
+	if deps > pluginMaxDeps {
+		t.Errorf("cmd/meshcni links %d packages, more than its ceiling %d: `go list -deps ./cmd/meshcni` shows them", deps, pluginMaxDeps)
+	}
+	if st.Size() > pluginMaxBytes {
+		t.Errorf("cmd/meshcni is %d bytes stripped, more than its ceiling %d", st.Size(), pluginMaxBytes)
 	}
 }
 

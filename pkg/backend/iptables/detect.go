@@ -6,12 +6,12 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/meshcni/meshcni/internal/nl"
+	"github.com/meshcni/meshcni/pkg/netlink"
 )
 
-// NftTables reports whether iptables-nft has tables among listed (nl.ListTables):
+// NftTables reports whether iptables-nft has tables among listed (netlink.ListTables):
 // an ip or ip6 table named nat, mangle or raw.
-func NftTables(listed []nl.Table) bool {
+func NftTables(listed []netlink.Table) bool {
 	for _, t := range listed {
 		if (t.Family == unix.NFPROTO_IPV4 || t.Family == unix.NFPROTO_IPV6) &&
 			(t.Name == "nat" || t.Name == "mangle" || t.Name == "raw") {
@@ -24,8 +24,8 @@ func NftTables(listed []nl.Table) bool {
 // NftIstio reports, listing the chains over the nfnetlink socket c, whether an
 // ip or ip6 table holds an ISTIO_* chain: then iptables-nft holds meshcni's (or
 // Istio's) rules. On an error listing, what was listed still counts.
-func NftIstio(c *nl.Conn) (bool, error) {
-	chains, err := nl.ListChains(c)
+func NftIstio(c *netlink.Conn) (bool, error) {
+	chains, err := netlink.ListChains(c)
 	for _, ch := range chains {
 		if (ch.Family == unix.NFPROTO_IPV4 || ch.Family == unix.NFPROTO_IPV6) && strings.HasPrefix(ch.Name, "ISTIO_") {
 			return true, err

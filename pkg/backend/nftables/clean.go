@@ -6,15 +6,14 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/meshcni/meshcni/internal/nl"
-	"github.com/meshcni/meshcni/pkg/netnsutil"
+	"github.com/meshcni/meshcni/pkg/netlink"
 	"github.com/meshcni/meshcni/pkg/rules/nft"
 )
 
-// Ours returns meshcni's tables among listed (nl.ListTables): the inet tables
+// Ours returns meshcni's tables among listed (netlink.ListTables): the inet tables
 // named as nft.Tables.
-func Ours(listed []nl.Table) []nl.Table {
-	var out []nl.Table
+func Ours(listed []netlink.Table) []netlink.Table {
+	var out []netlink.Table
 	for _, t := range listed {
 		if t.Family == unix.NFPROTO_INET && ourTable(t.Name) {
 			out = append(out, t)
@@ -36,12 +35,12 @@ func ourTable(name string) bool {
 // CleanTables deletes meshcni's tables among listed over the nfnetlink socket c, in
 // one batch (all or nothing), and returns how many it deleted. Nothing listed:
 // nothing sent.
-func CleanTables(c *nl.Conn, listed []nl.Table) (int, error) {
+func CleanTables(c *netlink.Conn, listed []netlink.Table) (int, error) {
 	ours := Ours(listed)
 	if len(ours) == 0 {
 		return 0, nil
 	}
-	if err := nl.DeleteTables(c, ours); err != nil {
+	if err := netlink.DeleteTables(c, ours); err != nil {
 		return 0, fmt.Errorf("delete tables: %w", err)
 	}
 	return len(ours), nil
@@ -52,19 +51,15 @@ func (b *Backend) Clean(ctx context.Context, netnsPath string) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	var c *nl.Conn
-	err := netnsutil.Do(netnsPath, func() (err error) {
-		c, err = nl.Open(unix.NETLINK_NETFILTER)
-		return err
-	})
+	c, err := netlink.OpenIn(netnsPath, unix.NETLINK_NETFILTER)
 	if err != nil {
-		return fmt.Errorf("nftables clean: netlink in netns %q: %w", netnsPath, err)
+		return fmt.Errorf("nftables clean: %w", err)
 	}
 	defer c.Close()
 	if b.OnSocket != nil {
 		b.OnSocket(c.Fd())
 	}
-	listed, err := nl.ListTables(c)
+	listed, err := netlink.ListTables(c)
 	if err != nil {
 		return fmt.Errorf("nftables clean in netns %q: %w", netnsPath, err)
 	}

@@ -9,14 +9,14 @@ import (
 	gnft "github.com/google/nftables"
 	"golang.org/x/sys/unix"
 
-	"github.com/meshcni/meshcni/internal/nl"
-	"github.com/meshcni/meshcni/internal/nl/nltest"
 	"github.com/meshcni/meshcni/internal/testkit/testutil"
 	"github.com/meshcni/meshcni/pkg/backend/nftables"
+	"github.com/meshcni/meshcni/pkg/netlink"
+	"github.com/meshcni/meshcni/pkg/netlink/nltest"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 )
 
-// TestProbeTablesRetry: a table dump (nl.ListTables, as the probe and Clean run it) the kernel flags interrupted is run again
+// TestProbeTablesRetry: a table dump (netlink.ListTables, as the probe and Clean run it) the kernel flags interrupted is run again
 // from scratch (what the interrupted attempt listed is dropped), up to three
 // times; a dump interrupted every time is an error, and a dump that fails part-way
 // (an error in its done message) is that error.
@@ -33,12 +33,12 @@ func TestProbeTablesRetry(t *testing.T) {
 		{"consistent", 0, 0, 1, nil, 0},
 		{"interrupted once", 1, 0, 2, nil, 0},
 		{"interrupted twice", 2, 0, 3, nil, 0},
-		{"interrupted every time", 3, 0, 3, nl.ErrDumpInterrupted, 1},
+		{"interrupted every time", 3, 0, 3, netlink.ErrDumpInterrupted, 1},
 		{"fails part-way", 0, unix.ENOBUFS, 1, unix.ENOBUFS, 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			peer, fd, port := nltest.New(t, func(r nltest.Req) [][]byte {
-				if r.Typ != nl.NfMsg(unix.NFT_MSG_GETTABLE) {
+				if r.Typ != netlink.NfMsg(unix.NFT_MSG_GETTABLE) {
 					return [][]byte{nltest.Msg(unix.NLMSG_ERROR, 0, r.Seq, nltest.Errno(unix.EINVAL), false)}
 				}
 				if r.N < tc.interrupted {
@@ -51,7 +51,7 @@ func TestProbeTablesRetry(t *testing.T) {
 				}
 				return [][]byte{nltest.Cat(nltest.NfTable(r.Seq, 0, unix.NFPROTO_INET, "foreign"), done)}
 			})
-			listed, err := nl.ListTables(nl.NewConn(fd, port))
+			listed, err := netlink.ListTables(netlink.NewConn(fd, port))
 			if tc.wantErr == nil && err != nil || tc.wantErr != nil && !errors.Is(err, tc.wantErr) {
 				t.Fatalf("ListTables = %v, want %v", err, tc.wantErr)
 			}
@@ -69,7 +69,7 @@ func TestProbeTablesRetry(t *testing.T) {
 func nftTableName(t *testing.T) string {
 	t.Helper()
 	for _, name := range []string{"istio-proxy-nat", "istio-proxy-mangle"} {
-		if len(nftables.Ours([]nl.Table{{Family: unix.NFPROTO_INET, Name: name}})) == 1 {
+		if len(nftables.Ours([]netlink.Table{{Family: unix.NFPROTO_INET, Name: name}})) == 1 {
 			return name
 		}
 	}
@@ -84,19 +84,19 @@ func TestDeleteTablesGone(t *testing.T) {
 	testutil.RequireRoot(t)
 	netns := testutil.NewNetns(t)
 	addForeignTable(t, netns, gnft.TableFamilyINet, "foreign", "keep")
-	var c *nl.Conn
-	if err := netnsutil.Do(netns, func() (err error) { c, err = nl.Open(unix.NETLINK_NETFILTER); return err }); err != nil {
+	var c *netlink.Conn
+	if err := netnsutil.Do(netns, func() (err error) { c, err = netlink.Open(unix.NETLINK_NETFILTER); return err }); err != nil {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	err := nl.DeleteTables(c, []nl.Table{{Family: unix.NFPROTO_INET, Name: "foreign"}, {Family: unix.NFPROTO_INET, Name: "meshcni-none"}})
+	err := netlink.DeleteTables(c, []netlink.Table{{Family: unix.NFPROTO_INET, Name: "foreign"}, {Family: unix.NFPROTO_INET, Name: "meshcni-none"}})
 	if !errors.Is(err, unix.ENOENT) || !strings.Contains(err.Error(), "meshcni-none") {
 		t.Fatalf("DeleteTables = %v, want ENOENT naming meshcni-none", err)
 	}
 	if names := tableNames(t, netns); !slices.Equal(names, []string{"inet foreign"}) {
 		t.Fatalf("tables after a failed batch: %v, want the foreign one kept (all or nothing)", names)
 	}
-	if err := nl.DeleteTables(c, []nl.Table{{Family: unix.NFPROTO_INET, Name: "foreign"}}); err != nil {
+	if err := netlink.DeleteTables(c, []netlink.Table{{Family: unix.NFPROTO_INET, Name: "foreign"}}); err != nil {
 		t.Fatalf("delete on the same socket: %v", err)
 	}
 	if names := tableNames(t, netns); len(names) != 0 {
@@ -105,7 +105,7 @@ func TestDeleteTablesGone(t *testing.T) {
 }
 
 // addForeignTable creates a table (with one regular chain) that is not meshcni's.
-func addForeignTable(t *testing.T, netns string, fam gnft.TableFamily, name, chain string) {
+func addForeignTable(t testing.TB, netns string, fam gnft.TableFamily, name, chain string) {
 	t.Helper()
 	conn, closeConn, err := nftables.Dial(netns, nil)
 	if err != nil {

@@ -19,10 +19,12 @@
 // A netns path "" means the caller's current network namespace. Apply, Check and
 // Live enter the namespace by passing its file descriptor to the netlink socket
 // (the calling thread never switches namespace); Clean opens its socket there
-// (netnsutil.Do) and lists and deletes over internal/nl, as the engine's Clean
+// (netnsutil.Do) and lists and deletes over pkg/netlink, as the engine's Clean
 // (backend auto) does with the same CleanTables.
 //
-// Apply lists meshcni's tables, then sends one batch, committed by the kernel as one
+// Apply takes the namespace's table listing from its caller (Backend.Listed: the
+// engine's auto probe has just made it) or lists the tables over pkg/netlink, then
+// sends one batch, committed by the kernel as one
 // transaction: each of the three tables that is present is added (so the delete cannot
 // fail) and deleted (so no stale chain or rule survives); the tables the ruleset needs
 // are created exclusively with their chains, anonymous sets and rules. On any error
@@ -40,10 +42,11 @@ import (
 	"time"
 
 	gnft "github.com/google/nftables"
-	"github.com/mdlayher/netlink"
+	mdnl "github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/netlink"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/rules/nft"
@@ -59,6 +62,11 @@ type Backend struct {
 	// before it is used (pkg/engine keeps a duplicate of it, whose last close it then
 	// controls).
 	OnSocket func(fd int)
+	// Listed, when not nil, is the namespace's nftables tables as the caller has just
+	// listed them (pkg/engine's probe, netlink.ListTables): the next Apply replaces
+	// meshcni's tables among them instead of listing again (it lists again only when
+	// a table appeared since). Apply clears it.
+	Listed []netlink.Table
 }
 
 var _ backend.Backend = (*Backend)(nil)
@@ -89,7 +97,7 @@ func (b *Backend) groupFile() string {
 // socket would cost a thread hand-off). onSocket (nil: none) is called with its
 // socket. close must be called when done.
 func Dial(netnsPath string, onSocket func(fd int)) (c *gnft.Conn, close func(), err error) {
-	opts := []gnft.ConnOption{gnft.AsLasting(), gnft.WithSockOptions(func(c *netlink.Conn) error {
+	opts := []gnft.ConnOption{gnft.AsLasting(), gnft.WithSockOptions(func(c *mdnl.Conn) error {
 		rc, err := c.SyscallConn()
 		if err != nil {
 			return nil // best effort: default buffers, and the socket closes as usual
@@ -186,13 +194,23 @@ func (b *Backend) Apply(ctx context.Context, netnsPath string, rs *rules.Ruleset
 		return fmt.Errorf("nftables apply: %w", err)
 	}
 	defer closeConn()
+	listed, haveListed := b.Listed, b.Listed != nil
+	if haveListed {
+		b.Listed = nil // the listing serves one batch (a Backend without one is never written to)
+	}
 	nrules := 0
 	for attempt := 1; ; attempt++ {
-		nrules, err = b.send(c, tables)
+		if !haveListed {
+			if listed, err = listTables(netnsPath, b.OnSocket); err != nil {
+				return fmt.Errorf("nftables apply in netns %q: %w", netnsPath, err)
+			}
+		}
+		haveListed = false
+		nrules, err = b.send(c, listed, tables)
 		if err == nil {
 			break
 		}
-		// A table created by someone else between our listing and our batch makes the
+		// A table created by someone else between the listing and our batch makes the
 		// exclusive create fail (and the whole batch with it): list again, once.
 		if errors.Is(err, unix.EEXIST) && attempt < 2 {
 			continue
@@ -219,18 +237,15 @@ func (b *Backend) afterFailedSend(ctx context.Context, netnsPath string, rs *rul
 	return fmt.Errorf("nftables apply in netns %q (%d tables, %d rules; nothing was changed, read back): %w", netnsPath, ntables, nrules, sendErr)
 }
 
-// send lists meshcni's present tables and sends the whole replacement in one batch.
-// Present tables are deleted (after an add, so the delete cannot fail if one vanished
-// meanwhile); absent ones are not touched: deleting a table makes the kernel destroy
-// it after an RCU grace period, which the closing netlink socket waits for (several
-// milliseconds). Tables are then created exclusively, so a table appearing between
-// the listing and the batch fails the batch instead of merging into it.
-func (b *Backend) send(c *gnft.Conn, tables []desiredTable) (int, error) {
-	present, err := ourTables(c)
-	if err != nil {
-		return 0, err
-	}
-	for _, t := range present {
+// send sends the whole replacement of meshcni's tables present (among listed, the
+// namespace's tables) in one batch. Present tables are deleted (after an add, so
+// the delete cannot fail if one vanished meanwhile); absent ones are not touched:
+// deleting a table makes the kernel destroy it after an RCU grace period, which the
+// closing netlink socket waits for (several milliseconds). Tables are then created
+// exclusively, so a table appearing after the listing fails the batch instead of
+// merging into it.
+func (b *Backend) send(c *gnft.Conn, listed []netlink.Table, tables []desiredTable) (int, error) {
+	for _, t := range Ours(listed) {
 		c.AddTable(inetTable(t.Name))
 		c.DelTable(inetTable(t.Name))
 	}
@@ -270,21 +285,18 @@ func (b *Backend) send(c *gnft.Conn, tables []desiredTable) (int, error) {
 	return nrules, c.Flush()
 }
 
-// ourTables lists meshcni's inet tables present in the namespace, in nft.Tables order.
-func ourTables(c *gnft.Conn) ([]*gnft.Table, error) {
-	ts, err := c.ListTablesOfFamily(gnft.TableFamilyINet)
+// listTables lists the namespace's nftables tables over a pkg/netlink socket
+// opened there and closed before the batch (onSocket, if set, gets it first).
+func listTables(netnsPath string, onSocket func(fd int)) ([]netlink.Table, error) {
+	c, err := netlink.OpenIn(netnsPath, unix.NETLINK_NETFILTER)
 	if err != nil {
-		return nil, fmt.Errorf("list inet tables: %w", err)
+		return nil, err
 	}
-	var out []*gnft.Table
-	for _, name := range nft.Tables {
-		for _, t := range ts {
-			if t.Name == nft.TableName(name) {
-				out = append(out, t)
-			}
-		}
+	defer c.Close()
+	if onSocket != nil {
+		onSocket(c.Fd())
 	}
-	return out, nil
+	return netlink.ListTables(c)
 }
 
 // SocketBuffer is the send and receive buffer of the backend's netlink sockets. The

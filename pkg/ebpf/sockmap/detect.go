@@ -29,8 +29,9 @@ type Features struct {
 
 // Detect checks, in order, that this node can run the acceleration: the forced
 // setting, the map and program types and helpers, the programs passing the
-// verifier, a bpffs and a cgroup2 hierarchy (each mounted when absent). The
-// error wraps ErrUnavailable and names the first missing piece.
+// verifier, a bpffs under the pin directory (mounted when absent only with
+// Options.MountBPFFS) and a cgroup2 hierarchy. The error wraps ErrUnavailable and
+// names the first missing piece.
 func Detect(opts Options) (Features, error) {
 	var f Features
 	var u unix.Utsname
@@ -57,7 +58,7 @@ func Detect(opts Options) (Features, error) {
 			return f, fmt.Errorf("%w on kernel %s: %s: %v", ErrUnavailable, f.Kernel, c.what, err)
 		}
 	}
-	if err := ensureBPFFS(opts.pinDir()); err != nil {
+	if err := ensureBPFFS(opts.pinDir(), opts.MountBPFFS); err != nil {
 		return f, fmt.Errorf("%w: %v", ErrUnavailable, err)
 	}
 	cg, err := cgroup2Dir(opts)
@@ -138,16 +139,12 @@ func verify() error {
 	return nil
 }
 
-// ensureBPFFS makes sure the pin directory lies on a bpffs, mounting one at
-// DefaultBPFFS when that is where it should be and nothing is mounted there.
-func ensureBPFFS(pinDir string) error {
-	dir := pinDir
-	for {
-		if _, err := os.Stat(dir); err == nil {
-			break
-		}
-		dir = filepath.Dir(dir)
-	}
+// ensureBPFFS makes sure the pin directory lies on a bpffs. Where it does not,
+// it mounts one at DefaultBPFFS if mount is set and that is where it should be
+// (the pin directory under it, nothing mounted there); else the error says what
+// the node lacks and what to do.
+func ensureBPFFS(pinDir string, mount bool) error {
+	dir := existingParent(pinDir)
 	var st unix.Statfs_t
 	if err := unix.Statfs(dir, &st); err != nil {
 		return fmt.Errorf("statfs %s: %w", dir, err)
@@ -155,8 +152,13 @@ func ensureBPFFS(pinDir string) error {
 	if st.Type == unix.BPF_FS_MAGIC {
 		return nil
 	}
-	if !strings.HasPrefix(pinDir, DefaultBPFFS+"/") || (dir != DefaultBPFFS && dir != filepath.Dir(DefaultBPFFS)) {
-		return fmt.Errorf("pin directory %s is not on a bpffs (%s is not one)", pinDir, dir)
+	underDefault := strings.HasPrefix(pinDir, DefaultBPFFS+"/") && (dir == DefaultBPFFS || dir == filepath.Dir(DefaultBPFFS))
+	if !mount || !underDefault {
+		hint := "mount a bpffs on the host, as systemd does at boot (mount -t bpf bpf " + DefaultBPFFS + ")"
+		if !underDefault {
+			hint = "choose a pin directory on the node's bpffs"
+		}
+		return fmt.Errorf("pin directory %s is not on a bpffs (%s is %s): %s", pinDir, dir, fsName(st.Type), hint)
 	}
 	if err := os.MkdirAll(DefaultBPFFS, 0o700); err != nil {
 		return fmt.Errorf("create %s: %w", DefaultBPFFS, err)
@@ -165,6 +167,31 @@ func ensureBPFFS(pinDir string) error {
 		return fmt.Errorf("mount bpffs at %s: %w", DefaultBPFFS, err)
 	}
 	return nil
+}
+
+// existingParent is the longest existing prefix of path ("/" at worst).
+func existingParent(path string) string {
+	for {
+		if _, err := os.Stat(path); err == nil || path == filepath.Dir(path) {
+			return path
+		}
+		path = filepath.Dir(path)
+	}
+}
+
+// fsName names the filesystem types a pin directory is found on instead of a bpffs.
+func fsName(magic int64) string {
+	switch magic {
+	case unix.TMPFS_MAGIC:
+		return "a tmpfs"
+	case unix.SYSFS_MAGIC:
+		return "sysfs (nothing mounted there)"
+	case unix.EXT4_SUPER_MAGIC:
+		return "ext4"
+	case unix.OVERLAYFS_SUPER_MAGIC:
+		return "an overlay (a container's own filesystem: mount the host's bpffs in)"
+	}
+	return fmt.Sprintf("filesystem type %#x", magic)
 }
 
 // cgroup2Dir returns opts.Cgroup2 — or its "unified" subdirectory, where a cgroup

@@ -8,8 +8,6 @@ import (
 	"io"
 	"net"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -23,17 +21,16 @@ import (
 
 var pinCounter atomic.Uint64
 
-// testOptions: a pin directory of this test binary's own; the host's cgroup2.
-func testOptions() sockmap.Options {
-	return sockmap.Options{PinDir: fmt.Sprintf("%s/meshcni-test-%d-%d/sockmap", sockmap.DefaultBPFFS, os.Getpid(), pinCounter.Add(1))}
+// testOptions: a pin directory on a bpffs of the test's own; the host's cgroup2.
+func testOptions(t testing.TB) sockmap.Options {
+	return sockmap.Options{PinDir: fmt.Sprintf("%s/meshcni-test-%d/sockmap", testutil.BPFFS(t), pinCounter.Add(1))}
 }
 
 // load loads the acceleration for the test and unloads it (pins included) at its end.
 func load(t testing.TB) (*sockmap.Accel, sockmap.Options) {
 	t.Helper()
 	testutil.RequireRoot(t)
-	opts := testOptions()
-	t.Cleanup(func() { _ = os.Remove(filepath.Dir(opts.PinDir)) }) // runs last
+	opts := testOptions(t)
 	a, err := sockmap.Load(opts)
 	if err != nil {
 		if errors.Is(err, sockmap.ErrUnavailable) {

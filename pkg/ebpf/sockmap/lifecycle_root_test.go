@@ -181,7 +181,7 @@ func TestAgentRestart(t *testing.T) {
 // acceleration: the proxy gets the connection and its original destination.
 func TestForcedUnavailable(t *testing.T) {
 	testutil.RequireRoot(t)
-	opts := testOptions()
+	opts := testOptions(t)
 	opts.ForceUnavailable = "test says so"
 	for name, f := range map[string]func() error{
 		"Detect": func() error { _, err := sockmap.Detect(opts); return err },
@@ -206,7 +206,7 @@ func TestForcedUnavailable(t *testing.T) {
 // pins; a later Load starts afresh.
 func TestUnload(t *testing.T) {
 	testutil.RequireRoot(t)
-	opts := testOptions()
+	opts := testOptions(t)
 	a, err := sockmap.Load(opts)
 	if errors.Is(err, sockmap.ErrUnavailable) {
 		testutil.Missing(t, "%v", err)

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/meshcni/meshcni/internal/env/testbed"
 	"github.com/meshcni/meshcni/internal/testkit/agenttest"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
 )
@@ -55,7 +57,7 @@ func BenchmarkPodHop(b *testing.B) {
 	if err := tb.CreateNamespace(ctx, benchNS); err != nil && !apierrors.IsAlreadyExists(err) && !strings.Contains(err.Error(), "already exists") {
 		b.Fatal(err)
 	}
-	pins := fmt.Sprintf("%s/meshcni-bench-%d", sockmap.DefaultBPFFS, os.Getpid())
+	pins := filepath.Join(testutil.BPFFS(b), "meshcni-bench")
 	agenttest.Start(b, agenttest.Options{Args: []string{"--ebpf-acceleration", "auto", "--ebpf-pin-dir", pins, "--keep-on-exit=never"}})
 
 	appNS, appIP := benchPod(ctx, b, tb, "bench-app", true)

@@ -41,6 +41,13 @@ type Options struct {
 	// ForceUnavailable makes Detect (and so Load) fail with this reason, as on a
 	// node without the kernel features: the fallback path, testable anywhere.
 	ForceUnavailable string
+	// MountBPFFS lets Detect mount a bpffs at DefaultBPFFS when the pin directory
+	// lies under it and nothing is mounted there, as systemd does at boot. Only for
+	// a process in the host's mount namespace: mounted inside a container, the
+	// bpffs would be the container's own, and the node would not see the pins.
+	// False: a pin directory that is not on a bpffs makes the acceleration
+	// unavailable, with that reason.
+	MountBPFFS bool
 }
 
 func (o Options) pinDir() string {
@@ -92,8 +99,8 @@ func Load(opts Options) (*Accel, error) {
 
 // create loads, pins and attaches everything.
 func create(opts Options) (*Accel, error) {
-	if err := ensureBPFFS(opts.pinDir()); err != nil {
-		return nil, err
+	if err := ensureBPFFS(opts.pinDir(), opts.MountBPFFS); err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrUnavailable, err)
 	}
 	cg, err := cgroup2Dir(opts)
 	if err != nil {

@@ -1,4 +1,4 @@
-package nl
+package netlink
 
 import (
 	"errors"
@@ -8,7 +8,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/meshcni/meshcni/internal/nl/nltest"
+	"github.com/meshcni/meshcni/pkg/netlink/nltest"
 )
 
 // TestReceiveTimeout: Open sets a 5 s receive timeout on its sockets, and a

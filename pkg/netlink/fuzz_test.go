@@ -1,4 +1,4 @@
-package nl
+package netlink
 
 import (
 	"bytes"
@@ -20,7 +20,8 @@ func fuzzBodies(raw []byte) [][]byte {
 }
 
 // FuzzNetlinkWalk feeds arbitrary bytes to the dump reply walk (nlWalk), the batch
-// acknowledgement walk (ackWalk) and the attribute walk (Attrs): none panics or
+// acknowledgement walk (ackWalk), the attribute walk (Attrs) and the address and
+// link decoders (an address kept is valid and unmapped): none panics or
 // hands on more bytes than it was given, and a walk that stops on a bad length says
 // so (done with an error). Well-formed replies built from the same bytes
 // (AppendMsg, AppendAttr) read back exactly: the replies to the request's sequence
@@ -54,6 +55,12 @@ func FuzzNetlinkWalk(f *testing.F) {
 			t.Fatalf("Attrs handed on %d bytes of %d", handed, len(raw))
 		}
 		_ = NfString(raw, 1)
+		if a, ok := decodeAddr(unix.RTM_NEWADDR, raw); ok && (!a.IP.IsValid() || a.IP.Is4In6()) {
+			t.Fatalf("decodeAddr kept %+v: an address must be valid and unmapped", a)
+		}
+		if _, ok := decodeLink(unix.RTM_NEWLINK, raw); ok != (len(raw) >= unix.SizeofIfInfomsg) {
+			t.Fatalf("decodeLink of %d bytes: %v", len(raw), ok)
+		}
 
 		// Well-formed replies, interleaved with replies to another request.
 		bodies := fuzzBodies(raw)

@@ -1,13 +1,13 @@
-// Package nl is meshcni's netlink client: one blocking socket opened in the
+// Package netlink is meshcni's netlink client: one blocking socket opened in the
 // namespace it talks to, one reused receive buffer, plain system calls. Every
-// rtnetlink and nfnetlink read and delete of the engine and the backends goes
-// through it (dumps retried when the kernel flags them NLM_F_DUMP_INTR); the
-// general netlink libraries cost more than that work in a fresh, short-lived
-// process (a 64 KiB buffer per receive, a goroutine per send and receive, a
-// seeded random source per socket). Writes of routes, rules and addresses stay on
-// github.com/vishvananda/netlink, writes of nftables tables on
-// github.com/google/nftables.
-package nl
+// rtnetlink read and write of the product (addresses, links, policy rules and
+// routes) and every nfnetlink table listing and delete goes through it (dumps
+// retried when the kernel flags them NLM_F_DUMP_INTR); the general netlink
+// libraries cost more than that work in a fresh, short-lived process (a 64 KiB
+// buffer per receive, a goroutine per send and receive, a seeded random source per
+// socket; figures in docs/performance.md). The nftables backend's rule batches and
+// rule reads stay on github.com/google/nftables.
+package netlink
 
 import (
 	"encoding/binary"
@@ -211,8 +211,12 @@ func (r *Conn) Dump(typ uint16, body []byte, reset func(), each func(typ uint16,
 }
 
 // Do sends a request with an acknowledgement and returns the kernel's answer.
-func (r *Conn) Do(typ uint16, body []byte) error {
-	seq, err := r.send(typ, unix.NLM_F_ACK, body)
+func (r *Conn) Do(typ uint16, body []byte) error { return r.DoFlags(typ, 0, body) }
+
+// DoFlags is Do with the request's own flags besides NLM_F_ACK (NLM_F_CREATE,
+// NLM_F_EXCL, NLM_F_REPLACE).
+func (r *Conn) DoFlags(typ, flags uint16, body []byte) error {
+	seq, err := r.send(typ, flags|unix.NLM_F_ACK, body)
 	if err != nil {
 		return err
 	}

@@ -1,7 +1,7 @@
 // Package nltest stands in for the kernel in tests of netlink clients: a peer
 // socket answering real netlink requests with scripted datagrams, and builders of
 // the messages a kernel sends. It encodes messages itself, independently of the
-// client under test (internal/nl).
+// client under test (pkg/netlink).
 package nltest
 
 import (

@@ -1,4 +1,4 @@
-package nl
+package netlink
 
 import (
 	"bytes"
@@ -11,7 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/meshcni/meshcni/internal/nl/nltest"
+	"github.com/meshcni/meshcni/pkg/netlink/nltest"
 )
 
 // TestNetlinkEncoding: attributes and messages are padded to 4 bytes, their

@@ -1,4 +1,4 @@
-package nl
+package netlink
 
 import (
 	"bytes"
