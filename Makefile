@@ -36,26 +36,50 @@ MODULE := github.com/meshcni/meshcni
 TESTBED_PKGS = $(MODULE)/internal/env/testbed $(shell $(GO) list -test -f '{{.ImportPath}}{{range .Deps}}{{if eq . "$(MODULE)/internal/env/testbed"}} testbed{{end}}{{end}}' ./... | awk '$$1 ~ /\.test$$/ && $$2 == "testbed" {sub(/\.test$$/, "", $$1); print $$1}')
 OTHER_PKGS = $(filter-out $(TESTBED_PKGS),$(shell $(GO) list ./...))
 
-# streams runs `$(1) PACKAGES` for the test-bed packages and, at the same time, for the
-# others (their output follows, in one block); it fails when either fails.
+# streams runs the command $(call $(1),PACKAGES) for the test-bed packages and, at the
+# same time, for the others (their output follows, in one block); it fails when either fails.
 define streams
 	@other=$$(mktemp); \
-	$(1) $(OTHER_PKGS) >"$$other" 2>&1 & pid=$$!; \
-	$(1) $(TESTBED_PKGS); rc=$$?; \
+	{ $(call $(1),$(OTHER_PKGS)); } >"$$other" 2>&1 & pid=$$!; \
+	{ $(call $(1),$(TESTBED_PKGS)); }; rc=$$?; \
 	wait $$pid; rc2=$$?; \
 	echo "--- packages without the test bed:"; cat "$$other"; rm -f "$$other"; \
 	test $$rc -eq 0 && test $$rc2 -eq 0
 endef
 
+# The packages whose root and test-bed tests e2e runs with the race detector instead of
+# without: the agent and what runs in it (audit, repair, the plugin's socket, eBPF), where
+# goroutines meet real network namespaces, sockets and API watches (docs/testing.md, "The
+# race detector").
+RACE_PKGS = $(addprefix $(MODULE)/,pkg/agent pkg/agentsock pkg/audit pkg/repair pkg/ebpf/sockmap)
+# Tests of RACE_PKGS that run without the race detector all the same, and the packages
+# holding them: pkg/audit's TestThousandRounds (1000 rounds over 110 namespaces, a
+# resource soak) takes over 20 min under -race, against minutes without.
+RACE_SKIP = ^TestThousandRounds$$
+RACE_SKIP_PKGS = $(MODULE)/pkg/audit
+
+# gotest_race runs `go test $(1)` over the packages $(2): those not in RACE_PKGS, then
+# those in it with -race (but RACE_SKIP, run without it after); it fails when any of
+# them fails, and when $(2) is empty.
+gotest_race = rc=0; \
+	$(if $(strip $(2)),,echo "no packages to test" >&2; rc=1;) \
+	$(if $(filter-out $(RACE_PKGS),$(2)),$(GO) test $(1) $(filter-out $(RACE_PKGS),$(2)) || rc=1;) \
+	$(if $(filter $(RACE_PKGS),$(2)),$(GO) test -race $(1) -skip '$(RACE_SKIP)' $(filter $(RACE_PKGS),$(2)) || rc=1;) \
+	$(if $(filter $(RACE_SKIP_PKGS),$(2)),$(GO) test $(1) -run '$(RACE_SKIP)' $(filter $(RACE_SKIP_PKGS),$(2)) || rc=1;) \
+	test $$rc -eq 0
+
 # End-to-end and root tests: real network namespaces, rules, the test bed. -p 1 within a
 # stream: the test-bed packages share the one test bed, one after another, while the
-# others run beside them. Runs the unit tests again (without -race).
+# others run beside them. Runs the unit tests again, once: RACE_PKGS with -race, the
+# others without.
+e2e_go = $(call gotest_race,-count=1 -p 1 -timeout 40m,$(1))
 e2e:
-	$(call streams,$(GO) test -count=1 -p 1 -timeout 40m)
+	$(call streams,e2e_go)
 
 # Every benchmark once, so benchmark code cannot rot. Root benchmarks run as root.
+bench_go = $(GO) test -count=1 -p 1 -run '^$$' -bench . -benchtime 1x -timeout 20m $(1)
 bench-smoke:
-	$(call streams,$(GO) test -count=1 -p 1 -run '^$$' -bench . -benchtime 1x -timeout 20m)
+	$(call streams,bench_go)
 
 # Benchmarks for figures (docs/performance.md).
 bench:

@@ -22,6 +22,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/buildinfo"
 	"github.com/meshcni/meshcni/pkg/buildinfo/buildmetrics"
 	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/podget"
 )
@@ -54,6 +55,7 @@ type Agent struct {
 
 	kube      *Kube // nil: no API access
 	runnables []Runnable
+	evictor   *heal.Evictor // the audit's and the repair's one eviction path (repair.go)
 }
 
 // Options are the agent's injectable collaborators.

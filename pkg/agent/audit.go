@@ -18,7 +18,7 @@ func (c *Config) auditFlags(fs *pflag.FlagSet) func() error {
 	var action, escaped string
 	fs.DurationVar(&c.AuditPeriod, "audit-period", audit.DefaultPeriod, "audit the redirect of every meshed pod of this node at start, when a pod's containers start and every period (jittered ±10 %, the pods spread over 3/4 of it); 0 turns the audit off")
 	fs.StringVar(&action, "audit-action", string(audit.ActionRepair), "what the audit does about a pod whose redirect drifted: repair (re-apply it atomically, in place) or report (Warning Event, metric, log line; nothing changed)")
-	fs.StringVar(&escaped, "audit-escaped-action", string(audit.ActionDelete), "what the audit does about a meshed pod with no redirect at all and no validation init container (its sandbox was created while meshcni was not in the CNI chain): delete (its controller recreates it through the chain), repair or report")
+	fs.StringVar(&escaped, "audit-escaped-action", string(audit.ActionRepair), "what the audit does about a meshed pod with no redirect at all, no validation init container and no record of its sandbox's ADD (its sandbox was created while meshcni was not in the CNI chain): repair (apply its redirect in place), evict (through the Eviction API, within --heal-max-evictions; its controller recreates it through the chain; delete is accepted for evict) or report")
 	fs.IntVar(&c.AuditConcurrency, "audit-concurrency", audit.DefaultConcurrency, "pods the audit checks at a time")
 	fs.BoolVar(&c.AuditFollowAnnotations, "audit-follow-annotations", false, "apply a running pod's changed traffic annotations in place (default: report them; Istio re-reads none)")
 	return func() error {
@@ -71,6 +71,10 @@ func (a *Agent) AddAudit(k *Kube) error {
 	if err != nil {
 		return err
 	}
+	ev, err := a.heal(k)
+	if err != nil {
+		return err
+	}
 	au, err := audit.New(audit.Options{
 		Node:              cfg.NodeName,
 		Mesh:              p.Mesh,
@@ -83,8 +87,10 @@ func (a *Agent) AddAudit(k *Kube) error {
 		InitContainer:     cfg.RepairInitContainer,
 		Applied:           a.Sandboxes,
 		Pods:              a.Pods,
-		Netns:             &podnetns.Finder{NetnsDirs: cfg.RepairNetnsDirs},
+		Netns:             &podnetns.Locator{Records: a.Sandboxes},
+		Decisions:         a.Sandboxes,
 		Client:            k.Client,
+		Evictor:           ev,
 		Events:            k.Events,
 		ReadyToDelete:     a.Guard.Ready,
 		Metrics:           m,

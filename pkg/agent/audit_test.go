@@ -12,6 +12,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/meshcni/meshcni/pkg/audit"
+	"github.com/meshcni/meshcni/pkg/heal"
 )
 
 func TestAuditFlags(t *testing.T) {
@@ -23,8 +24,9 @@ func TestAuditFlags(t *testing.T) {
 		check   func(*testing.T, *Config)
 	}{
 		{name: "defaults", check: func(t *testing.T, c *Config) {
-			if c.AuditPeriod != time.Minute || c.AuditAction != audit.ActionRepair || c.AuditEscapedAction != audit.ActionDelete ||
-				c.AuditConcurrency != 4 || c.AuditFollowAnnotations {
+			if c.AuditPeriod != time.Minute || c.AuditAction != audit.ActionRepair || c.AuditEscapedAction != audit.ActionRepair ||
+				c.AuditConcurrency != 4 || c.AuditFollowAnnotations ||
+				c.HealLimits != (heal.Limits{MaxEvictions: 3, Window: 10 * time.Minute, MaxFraction: 0.1}) {
 				t.Fatalf("%+v", c)
 			}
 		}},
@@ -48,8 +50,20 @@ func TestAuditFlags(t *testing.T) {
 					t.Fatal(c.AuditEscapedAction)
 				}
 			}},
-		{name: "delete is for escaped pods only", args: []string{"--audit-action", "delete"}, wantErr: `--audit-action: unknown audit action "delete": want repair or report`},
-		{name: "bad escaped action", args: []string{"--audit-escaped-action", "label"}, wantErr: `--audit-escaped-action: unknown audit escaped-pod action "label"`},
+		{name: "delete is evict", args: []string{"--audit-escaped-action", "delete"}, check: func(t *testing.T, c *Config) {
+			if c.AuditEscapedAction != audit.ActionEvict {
+				t.Fatal(c.AuditEscapedAction)
+			}
+		}},
+		{name: "heal budget", args: []string{"--heal-max-evictions", "5", "--heal-eviction-window", "1h", "--heal-max-evict-fraction", "0.5"}, check: func(t *testing.T, c *Config) {
+			if c.HealLimits != (heal.Limits{MaxEvictions: 5, Window: time.Hour, MaxFraction: 0.5}) {
+				t.Fatal(c.HealLimits)
+			}
+		}},
+		{name: "heal budget 0", args: []string{"--heal-max-evictions", "0"}, wantErr: "--heal-max-evictions 0"},
+		{name: "heal fraction above 1", args: []string{"--heal-max-evict-fraction", "2"}, wantErr: "max evict fraction 2"},
+		{name: "evict is for escaped pods only", args: []string{"--audit-action", "evict"}, wantErr: `--audit-action: audit action: unknown action "evict": want repair, report`},
+		{name: "bad escaped action", args: []string{"--audit-escaped-action", "label"}, wantErr: `--audit-escaped-action: audit escaped-pod action: unknown action "label"`},
 		{name: "negative period", args: []string{"--audit-period", "-1s"}, wantErr: "--audit-period -1s: want 0 (off) or a positive duration"},
 		{name: "period too short", args: []string{"--audit-period", "10ms"}, wantErr: "--audit-period 10ms: want at least 1s"},
 		{name: "concurrency 0", args: []string{"--audit-concurrency", "0"}, wantErr: "--audit-concurrency 0: want 1 to 64"},

@@ -4,7 +4,8 @@ package agent_test
 // chain, its redirect changed from the node (a foreign rule in meshcni's chain): the
 // agent repairs it, raises a Warning Event on the pod through the real API server and
 // counts it; then every meshcni rule removed from the pod (which has no validation
-// init container): the agent deletes it as escaped, with its Event.
+// init container): its sandbox's ADD is recorded as meshed, so the agent repairs
+// it in place and never deletes it.
 
 import (
 	"context"
@@ -117,25 +118,29 @@ func TestAuditOnTestbed(t *testing.T) {
 		t.Error("no log line " + audit.LogDrift)
 	}
 
-	// 2. Every meshcni rule removed: the pod (no validation init container) escaped
-	// the redirect; the default action deletes it through the real API server.
+	// 2. Every meshcni rule removed: the pod has no validation init container, but
+	// its sandbox's ADD is recorded as meshed, so it did not escape: the missing
+	// rules are drift, repaired in place by the default action; the pod is never
+	// deleted.
 	if err := engine.Clean(ctx, engine.Options{NetnsPath: netns}); err != nil {
 		t.Fatal(err)
 	}
 	cleaned := time.Now()
-	msg = podEvent(t, ctx, tb, pod, audit.EventEscaped, 3*period)
-	if !strings.Contains(msg, "pod deleted") {
-		t.Errorf("Event message %q: want the deletion", msg)
-	}
-	waitFor(t, 30*time.Second, "the escaped pod deleted", func() error {
-		p, err := tb.Client.CoreV1().Pods(e2eNS).Get(ctx, pod.Name, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) || (err == nil && (p.UID != pod.UID || p.DeletionTimestamp != nil)) {
-			return nil
+	waitFor(t, 10*time.Second, "the redirect repaired after every rule was removed", func() error {
+		if d := check(); !d.Empty() {
+			return fmt.Errorf("drift:\n%s", d)
 		}
-		return fmt.Errorf("pod still there: %v", err)
+		return nil
 	})
-	t.Logf("escaped pod deleted %v after its rules were removed", time.Since(cleaned).Round(time.Millisecond))
-	metricAtLeast(t, a, "meshcni_drift_repaired_total", map[string]string{"reason": string(audit.ReasonNoRedirect)}, 1)
+	t.Logf("every rule removed: repaired %v after", time.Since(cleaned).Round(time.Millisecond))
+	p, err := tb.Client.CoreV1().Pods(e2eNS).Get(ctx, pod.Name, metav1.GetOptions{})
+	if err != nil || p.UID != pod.UID || p.DeletionTimestamp != nil {
+		t.Fatalf("the pod whose ADD is recorded was deleted or replaced: %v", err)
+	}
+	metricAtLeast(t, a, "meshcni_drift_repaired_total", map[string]string{"reason": string(engine.ReasonMissingChain)}, 1)
+	if strings.Contains(a.Log(), audit.LogEscaped) {
+		t.Error("a pod whose ADD is recorded was judged escaped")
+	}
 	if err := a.Stop(); err != nil {
 		t.Fatal(err)
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/flagenv"
+	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/logformat"
 	"github.com/meshcni/meshcni/pkg/podget"
@@ -85,6 +86,8 @@ type Config struct {
 	AuditEscapedAction     audit.Action
 	AuditConcurrency       int
 	AuditFollowAnnotations bool
+	// HealLimits bound the evictions of the audit and the repair controller.
+	HealLimits heal.Limits
 
 	// eBPF acceleration (flags in ebpf.go).
 	EBPF                  EBPFMode

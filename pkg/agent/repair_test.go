@@ -52,7 +52,7 @@ func TestRepairFlags(t *testing.T) {
 		}},
 		{name: "flag beats env", args: []string{"--repair-action", "delete"}, env: map[string]string{"MESHCNI_REPAIR_ACTION": "label"},
 			check: func(t *testing.T, c *Config) {
-				if c.RepairAction != repair.ActionDelete {
+				if c.RepairAction != repair.ActionEvict {
 					t.Fatal(c.RepairAction)
 				}
 			}},
@@ -61,7 +61,7 @@ func TestRepairFlags(t *testing.T) {
 				t.Fatalf("%#v: want an empty, non-nil list (only /proc)", c.RepairNetnsDirs)
 			}
 		}},
-		{name: "bad action", args: []string{"--repair-action", "restart"}, wantErr: `--repair-action: unknown repair action "restart"`},
+		{name: "bad action", args: []string{"--repair-action", "restart"}, wantErr: `--repair-action: repair action: unknown action "restart"`},
 		{name: "bad label key", args: []string{"--repair-label-key", "not a key"}, wantErr: "--repair-label-key"},
 		{name: "bad label selector", args: []string{"--repair-label-selector", "app=("}, wantErr: "--repair-label-selector"},
 		{name: "bad field selector", args: []string{"--repair-field-selector", "metadata.labels=x"}, wantErr: `--repair-field-selector: field selector "metadata.labels=x": field "metadata.labels" is not a pod field`},
@@ -139,8 +139,8 @@ func TestAddRepair(t *testing.T) {
 				if added != 1 || a.runnables[len(a.runnables)-1].Name() != "repair" {
 					t.Fatalf("runnables added: %d", added)
 				}
-				if c, err := testutil.GatherAndCount(a.Metrics.Registry, "meshcni_repairs_total"); err != nil || c != 2 {
-					t.Fatalf("meshcni_repairs_total series %d (%v), want success and error of action repair", c, err)
+				if c, err := testutil.GatherAndCount(a.Metrics.Registry, "meshcni_repairs_total"); err != nil || c != 3 {
+					t.Fatalf("meshcni_repairs_total series %d (%v), want success, error and refused of action repair", c, err)
 				}
 				return
 			}

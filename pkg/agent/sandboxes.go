@@ -32,15 +32,19 @@ const (
 )
 
 // Sandboxes is the agent's memory of each pod sandbox across its own restarts
-// (pkg/sandboxstate, in the run directory): at a sandbox's successful ADD the
-// redirect spec the pod's annotations gave (from the node's pod cache), and, from
-// EBPF, the netns cookie it enabled; removed at the sandbox's DEL, when its pod is
-// deleted, and collected for pods no longer on the node. The audit checks a pod
-// against the recorded spec (audit.AppliedSpecs); EBPF disables at DEL what an
-// earlier agent enabled. Without the store (Open failed) the agent runs as
-// without memory: the audit takes a pod's annotations at its first check, and
-// pods enabled before a restart stay on the eBPF allow-list until the node's
-// programs are removed.
+// (pkg/sandboxstate, in the run directory): at a sandbox's successful ADD, meshed
+// or not, the pod's UID, what the ADD decided and why, the identity of the
+// sandbox's network namespace (as the plugin read it from CNI_NETNS) and, for a
+// meshed pod, the redirect spec its annotations gave (from the node's pod cache);
+// from EBPF, the netns cookie it enabled; removed at the sandbox's DEL, when its
+// pod is deleted, and collected for pods no longer on the node. The audit and the
+// repair find a pod's netns by its record and judge it against the recorded
+// decision and spec (Records); EBPF disables at DEL what an earlier agent
+// enabled. The record is written by the socket server's goroutine after the
+// plugin sent its result: the ADD does not wait for it. Without the store (Open
+// failed) the agent runs as without memory: the audit takes a pod's annotations
+// at its first check, and pods enabled before a restart stay on the eBPF
+// allow-list until the node's programs are removed.
 type Sandboxes struct {
 	Dir  string
 	Pods PodSource // nil: no spec is recorded and nothing collected
@@ -78,7 +82,7 @@ func (s *Sandboxes) get() *sandboxstate.Store {
 	return s.store
 }
 
-// OnCommand records a successful ADD's spec and forgets a sandbox at its DEL
+// OnCommand records a successful ADD's decision, netns and spec and forgets a sandbox at its DEL
 // (after EBPF, which reads the sandbox's cookie).
 func (s *Sandboxes) OnCommand(r *agentsock.CommandResult) {
 	st := s.get()
@@ -95,33 +99,82 @@ func (s *Sandboxes) OnCommand(r *agentsock.CommandResult) {
 	}
 }
 
-// added records the spec a meshed pod's annotations give, as the pod cache holds
-// it at the ADD (the plugin's result carries no spec).
+// added records what a sandbox's ADD decided (meshed or skipped, why), its
+// network namespace's identity and, for a meshed pod, the spec its annotations
+// give as the pod cache holds it at the ADD (the plugin's result carries no spec).
+// A plugin that reports no decision: the spec of a meshed pod only.
 func (s *Sandboxes) added(st *sandboxstate.Store, r *agentsock.CommandResult) {
-	if s.Pods == nil || r.Pod.Namespace == "" || r.Pod.Name == "" {
+	if r.Pod.Namespace == "" || r.Pod.Name == "" {
 		return
 	}
-	pod, ok := s.Pods.Get(r.Pod.Namespace, r.Pod.Name)
-	if !ok {
+	uid := ""
+	if r.Sandbox != nil {
+		uid = r.Sandbox.PodUID
+	}
+	if uid == "" && r.EBPF != nil {
+		uid = r.EBPF.PodUID
+	}
+	pod := s.cached(r.Pod.Namespace, r.Pod.Name, uid)
+	if r.Sandbox == nil && pod == nil {
 		return
+	}
+	if uid == "" && pod != nil {
+		uid = string(pod.UID)
+	}
+	sp, meshed := s.spec(pod)
+	if r.Sandbox == nil && !meshed {
+		return
+	}
+	err := st.Update(r.ContainerID, func(e *sandboxstate.Entry) {
+		e.Namespace, e.Name, e.UID = r.Pod.Namespace, r.Pod.Name, uid
+		if sb := r.Sandbox; sb != nil {
+			e.Decision, e.Reason, e.Netns = sandboxstate.Decision(sb.Decision), sb.Reason, recordedNetns(sb)
+			if sb.Decision != agentsock.DecisionMeshed {
+				sp = nil
+			}
+		}
+		e.Spec = sp
+	})
+	if err != nil {
+		s.Log.Warn("per-sandbox state: record the sandbox's ADD", "pod_namespace", r.Pod.Namespace, "pod_name", r.Pod.Name, "sandbox", r.ContainerID, "err", err)
+	}
+}
+
+// cached is the pod of the cache, nil when absent or of another UID than uid.
+func (s *Sandboxes) cached(namespace, name, uid string) *corev1.Pod {
+	if s.Pods == nil {
+		return nil
+	}
+	pod, ok := s.Pods.Get(namespace, name)
+	if !ok || (uid != "" && !capture.IsRuntimePod(k8spod.From(pod), uid)) {
+		return nil // the cache holds another pod of that name
+	}
+	return pod
+}
+
+// spec is the redirect the pod's annotations give, when they mesh it.
+func (s *Sandboxes) spec(pod *corev1.Pod) (*spec.Spec, bool) {
+	if pod == nil {
+		return nil, false
 	}
 	p := k8spod.From(pod)
-	if r.EBPF != nil && r.EBPF.PodUID != "" && !capture.IsRuntimePod(p, r.EBPF.PodUID) {
-		return // the cache holds another pod of that name
-	}
 	if !capture.Decide(p, s.Mesh).Captured() {
-		return
+		return nil, false
 	}
 	res, err := s.Mesh.Build(p)
 	if err != nil {
-		return
+		return nil, false
 	}
-	err = st.Update(r.ContainerID, func(e *sandboxstate.Entry) {
-		e.Namespace, e.Name, e.UID, e.Spec = pod.Namespace, pod.Name, string(pod.UID), res.Spec
-	})
-	if err != nil {
-		s.Log.Warn("per-sandbox state: record the redirect", "pod_namespace", pod.Namespace, "pod_name", pod.Name, "err", err)
+	return res.Spec, true
+}
+
+// recordedNetns is the reported netns identity, nil when the plugin could not
+// read it.
+func recordedNetns(sb *agentsock.Sandbox) *sandboxstate.Netns {
+	if sb.NetnsInode == 0 {
+		return nil
 	}
+	return &sandboxstate.Netns{Path: sb.Netns, Dev: sb.NetnsDev, Inode: sb.NetnsInode, Cookie: sb.NetnsCookie}
 }
 
 // newest is the latest entry of pod with a spec.
@@ -307,4 +360,60 @@ func (s *Sandboxes) enabled(id string, p ebpfPod, mode capture.Acceleration) {
 	if err != nil {
 		s.Log.Warn("per-sandbox state: record the eBPF netns cookie", "pod_namespace", p.namespace, "pod_name", p.name, "err", err)
 	}
+}
+
+// PodSandbox implements podnetns.Records: the pod's newest recorded sandbox.
+func (s *Sandboxes) PodSandbox(podUID string) (podnetns.Sandbox, bool) {
+	st := s.get()
+	if st == nil || podUID == "" {
+		return podnetns.Sandbox{}, false
+	}
+	var best sandboxstate.Entry
+	found := false
+	for _, e := range st.Select(func(e *sandboxstate.Entry) bool { return e.UID == podUID }) {
+		if !found || e.Updated.After(best.Updated) {
+			best, found = e, true
+		}
+	}
+	return locatable(best), found
+}
+
+// Holders implements podnetns.Records: the sandboxes recorded with that netns.
+func (s *Sandboxes) Holders(dev, inode uint64) []podnetns.Sandbox {
+	st := s.get()
+	if st == nil {
+		return nil
+	}
+	var out []podnetns.Sandbox
+	for _, e := range st.Select(func(e *sandboxstate.Entry) bool {
+		return e.Netns != nil && e.Netns.Dev == dev && e.Netns.Inode == inode
+	}) {
+		out = append(out, locatable(e))
+	}
+	return out
+}
+
+// Decided is what the ADD of the pod's newest recorded sandbox decided ("":
+// no record says).
+func (s *Sandboxes) Decided(pod *corev1.Pod) (sandboxstate.Decision, string) {
+	st := s.get()
+	if st == nil {
+		return "", ""
+	}
+	var best sandboxstate.Entry
+	found := false
+	for _, e := range st.Select(func(e *sandboxstate.Entry) bool { return e.UID == string(pod.UID) && e.Decision != "" }) {
+		if !found || e.Updated.After(best.Updated) {
+			best, found = e, true
+		}
+	}
+	return best.Decision, best.Reason
+}
+
+func locatable(e sandboxstate.Entry) podnetns.Sandbox {
+	sb := podnetns.Sandbox{ID: e.ID, PodUID: e.UID}
+	if n := e.Netns; n != nil {
+		sb.Path, sb.Netns = n.Path, podnetns.Identity{Dev: n.Dev, Inode: n.Inode, Cookie: n.Cookie}
+	}
+	return sb
 }

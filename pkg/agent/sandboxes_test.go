@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"path/filepath"
+	"reflect"
 	"testing"
 	"time"
 
@@ -17,6 +18,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
+	"github.com/meshcni/meshcni/pkg/sandboxstate"
 )
 
 // statePod is a meshed pod of the node's cache, running with an IP.
@@ -164,6 +166,46 @@ func TestSandboxesNotMeshed(t *testing.T) {
 	for _, e := range l.s.get().List() {
 		if e.Spec != nil {
 			t.Errorf("sandbox %s: spec recorded", e.ID)
+		}
+	}
+}
+
+// TestSandboxesRecordDecision: every ADD the plugin reports is recorded with its
+// decision, its reason and its netns identity, meshed (with the spec) or skipped
+// (without one), and survives the agent's restart; a report whose netns identity
+// could not be read records none.
+func TestSandboxesRecordDecision(t *testing.T) {
+	none := statePod("none", map[string]string{capture.AnnotationInterceptionMode: "NONE"})
+	pods := &mapPods{synced: true, pods: map[string]*corev1.Pod{"app/none": none, "app/web": statePod("web", nil)}}
+	dir := t.TempDir()
+	l := startLife(t, dir, &fakeAccel{allow: map[uint64]sockmap.Pod{}}, pods)
+	report := func(id, name, decision, reason string, inode uint64) *agentsock.CommandResult {
+		return &agentsock.CommandResult{Command: agentsock.CommandAdd, Result: agentsock.ResultSuccess, ContainerID: id,
+			Pod: agentsock.Pod{Namespace: "app", Name: name},
+			Sandbox: &agentsock.Sandbox{PodUID: "uid-" + name, Decision: decision, Reason: reason,
+				Netns: "/var/run/netns/cni-" + id, NetnsDev: 4, NetnsInode: inode, NetnsCookie: inode + 1}}
+	}
+	l.cmd(report("sb-none", "none", agentsock.DecisionSkipped, "sidecar.istio.io/interceptionMode=NONE: the proxy captures no traffic", 4026532001))
+	l.cmd(report("sb-web", "web", agentsock.DecisionMeshed, "injected", 4026532002))
+	l.cmd(report("sb-gone", "gone", agentsock.DecisionSkipped, "namespace gone is excluded", 0))
+	next := startLife(t, dir, &fakeAccel{allow: map[uint64]sockmap.Pod{}}, pods)
+	for _, tt := range []struct {
+		id       string
+		decision sandboxstate.Decision
+		netns    *sandboxstate.Netns
+		spec     bool
+	}{
+		{"sb-none", sandboxstate.Skipped, &sandboxstate.Netns{Path: "/var/run/netns/cni-sb-none", Dev: 4, Inode: 4026532001, Cookie: 4026532002}, false},
+		{"sb-web", sandboxstate.Meshed, &sandboxstate.Netns{Path: "/var/run/netns/cni-sb-web", Dev: 4, Inode: 4026532002, Cookie: 4026532003}, true},
+		{"sb-gone", sandboxstate.Skipped, nil, false},
+	} {
+		e, ok := next.s.get().Get(tt.id)
+		if !ok {
+			t.Errorf("%s: not recorded", tt.id)
+			continue
+		}
+		if e.Decision != tt.decision || e.Reason == "" || (e.Spec != nil) != tt.spec || !reflect.DeepEqual(e.Netns, tt.netns) || e.UID == "" {
+			t.Errorf("%s: %+v (netns %+v), want decision %s, a reason, a UID, spec %v, netns %+v", tt.id, e, e.Netns, tt.decision, tt.spec, tt.netns)
 		}
 	}
 }

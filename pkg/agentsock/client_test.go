@@ -31,6 +31,8 @@ func TestCommandLineIsJSONMarshal(t *testing.T) {
 		results = append(results,
 			&CommandResult{Command: CommandAdd, Result: ResultSuccess, ContainerID: "c0ffee" + s, EBPF: &PodEBPF{NetnsCookie: math.MaxUint64, Mode: s, ProxyUID: 1337, PodUID: s}},
 			&CommandResult{Command: CommandDel, Result: ResultSuccess, ContainerID: s, EBPF: &PodEBPF{Mode: s}},
+			&CommandResult{Command: CommandAdd, Result: ResultSuccess, ContainerID: s, Sandbox: &Sandbox{PodUID: s, Decision: DecisionSkipped, Reason: s, Netns: s, NetnsDev: 4, NetnsInode: math.MaxUint64, NetnsCookie: 9}},
+			&CommandResult{Command: CommandAdd, Result: ResultSuccess, EBPF: &PodEBPF{}, Sandbox: &Sandbox{Decision: s}},
 		)
 	}
 	for _, f := range floats {

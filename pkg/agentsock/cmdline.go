@@ -57,7 +57,37 @@ func appendCommandLine(b []byte, r *CommandResult) []byte {
 		}
 		b = append(b, '}')
 	}
+	if sb := r.Sandbox; sb != nil {
+		b = appendSandbox(b, sb)
+	}
 	return append(b, "}}\n"...)
+}
+
+// appendSandbox appends the "sandbox" member as encoding/json writes it.
+func appendSandbox(b []byte, sb *Sandbox) []byte {
+	b = append(b, `,"sandbox":{`...)
+	if sb.PodUID != "" {
+		b = append(b, `"pod_uid":`...)
+		b = appendJSONString(b, sb.PodUID)
+		b = append(b, ',')
+	}
+	b = append(b, `"decision":`...)
+	b = appendJSONString(b, sb.Decision)
+	if sb.Reason != "" {
+		b = append(b, `,"reason":`...)
+		b = appendJSONString(b, sb.Reason)
+	}
+	if sb.Netns != "" {
+		b = append(b, `,"netns":`...)
+		b = appendJSONString(b, sb.Netns)
+	}
+	b = append(b, `,"netns_dev":`...)
+	b = strconv.AppendUint(b, sb.NetnsDev, 10)
+	b = append(b, `,"netns_inode":`...)
+	b = strconv.AppendUint(b, sb.NetnsInode, 10)
+	b = append(b, `,"netns_cookie":`...)
+	b = strconv.AppendUint(b, sb.NetnsCookie, 10)
+	return append(b, '}')
 }
 
 // appendJSONString appends s as encoding/json writes it. Printable ASCII other than

@@ -94,6 +94,31 @@ type CommandResult struct {
 	// EBPF is set on a successful ADD of a meshed pod whose eBPF acceleration is
 	// not off by annotation: what the agent needs to enable it (pkg/agent/ebpf.go).
 	EBPF *PodEBPF `json:"ebpf,omitempty"`
+	// Sandbox is set on a successful ADD of a Kubernetes pod, meshed or not: what
+	// the ADD decided and the sandbox's network namespace (pkg/agent/sandboxes.go).
+	Sandbox *Sandbox `json:"sandbox,omitempty"`
+}
+
+// Decisions of a Sandbox.
+const (
+	DecisionMeshed  = "meshed"
+	DecisionSkipped = "skipped"
+)
+
+// Sandbox is what one ADD decided about its pod, and the sandbox's network
+// namespace as the plugin read it from CNI_NETNS.
+type Sandbox struct {
+	// PodUID is K8S_POD_UID, when the runtime gives it.
+	PodUID string `json:"pod_uid,omitempty"`
+	// Decision is DecisionMeshed or DecisionSkipped, Reason the plugin's why.
+	Decision string `json:"decision"`
+	Reason   string `json:"reason,omitempty"`
+	// Netns is CNI_NETNS; NetnsDev and NetnsInode identify the namespace file
+	// (0: unreadable), NetnsCookie is its SO_NETNS_COOKIE (0: unknown).
+	Netns       string `json:"netns,omitempty"`
+	NetnsDev    uint64 `json:"netns_dev"`
+	NetnsInode  uint64 `json:"netns_inode"`
+	NetnsCookie uint64 `json:"netns_cookie"`
 }
 
 // PodEBPF is a meshed pod's network namespace as eBPF acceleration needs it.

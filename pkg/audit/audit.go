@@ -17,6 +17,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -28,6 +29,7 @@ const (
 	EventEscaped            = "MeshcniEscapedPod"         // no redirect, no validation init container
 	EventAnnotationsChanged = "MeshcniAnnotationsChanged" // annotations changed on a running pod
 	EventFailed             = "MeshcniAuditActionFailed"  // the action failed
+	EventRefused            = "MeshcniSandboxUnverified"  // the pod's netns could not be verified: nothing done
 )
 
 // Log messages (one line per finding).
@@ -39,6 +41,7 @@ const (
 	LogFailed   = "audit: action failed"
 	LogGone     = "audit: pod network namespace gone, dropped until its containers start again"
 	LogError    = "audit: check failed"
+	LogRefused  = "audit: the pod's network namespace is not verified to be its sandbox's: nothing done"
 	LogRound    = "audit round"
 	defaultConc = 4
 )
@@ -59,9 +62,11 @@ type Pods interface {
 	Get(namespace, name string) (*corev1.Pod, bool)
 }
 
-// Netns finds a pod's network namespace and holds it open (podnetns.Finder).
+// Netns finds a pod's network namespace by its sandbox and holds it open
+// (podnetns.Locator: the recorded netns, verified, else the one of the pod's
+// cgroup, cross-checked; never by an IP alone).
 type Netns interface {
-	FindPod(ctx context.Context, pod *corev1.Pod) (*podnetns.Handle, error)
+	Locate(ctx context.Context, pod *corev1.Pod) (*podnetns.Handle, error)
 }
 
 // The effects, replaceable in tests (defaults: the engine's).
@@ -81,12 +86,40 @@ type AppliedSpecs interface {
 	Remember(pod *corev1.Pod, s *spec.Spec)
 }
 
+// Decisions is what the agent recorded of each pod's sandbox's ADD (pkg/agent's
+// Sandboxes): the decision of the pod's newest recorded sandbox and its reason
+// ("": no record says).
+type Decisions interface {
+	Decided(pod *corev1.Pod) (Decision, string)
+}
+
 // Metrics are the audit's counters.
 type Metrics struct {
 	Detected *prometheus.CounterVec // meshcni_drift_detected_total{reason}
 	Repaired *prometheus.CounterVec // meshcni_drift_repaired_total{reason}
 	Errors   *prometheus.CounterVec // meshcni_audit_errors_total{stage}
 	Rounds   prometheus.Counter     // meshcni_audit_rounds_total
+	Refused  *prometheus.CounterVec // meshcni_audit_refused_total{reason}
+}
+
+// Refusal reasons (the Refused metric's labels): why a pod's netns was not acted on.
+const (
+	RefusedGone      = "netns-gone"      // the recorded netns no longer exists
+	RefusedMismatch  = "netns-mismatch"  // another netns than the recorded, or recorded for another sandbox
+	RefusedAmbiguous = "netns-ambiguous" // the pod's processes run in several netns
+)
+
+// refusal is the Refused label of a Locate error ("": not a refusal).
+func refusal(err error) string {
+	switch {
+	case errors.Is(err, podnetns.ErrGone):
+		return RefusedGone
+	case errors.Is(err, podnetns.ErrMismatch):
+		return RefusedMismatch
+	case errors.Is(err, podnetns.ErrAmbiguous):
+		return RefusedAmbiguous
+	}
+	return ""
 }
 
 // NewMetrics creates the metrics and registers them in reg (when not nil).
@@ -108,13 +141,20 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "meshcni_audit_rounds_total",
 			Help: "Audit rounds over the node's meshed pods.",
 		}),
+		Refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshcni_audit_refused_total",
+			Help: "Pods the audit left alone because their network namespace was not verified to be their sandbox's, by reason (netns-gone, netns-mismatch, netns-ambiguous).",
+		}, []string{"reason"}),
+	}
+	for _, r := range []string{RefusedGone, RefusedMismatch, RefusedAmbiguous} {
+		m.Refused.WithLabelValues(r)
 	}
 	for _, r := range MetricReasons() {
 		m.Detected.WithLabelValues(string(r))
 		m.Repaired.WithLabelValues(string(r))
 	}
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.Detected, m.Repaired, m.Errors, m.Rounds} {
+		for _, c := range []prometheus.Collector{m.Detected, m.Repaired, m.Errors, m.Rounds, m.Refused} {
 			if err := reg.Register(c); err != nil {
 				return nil, fmt.Errorf("register audit metrics: %w", err)
 			}
@@ -136,7 +176,7 @@ type Options struct {
 	Period time.Duration
 	// Concurrency bounds the pods checked at a time (default DefaultConcurrency).
 	Concurrency int
-	// Action on drift (default repair); EscapedAction on escaped pods (default delete).
+	// Action on drift (default repair); EscapedAction on escaped pods (default repair).
 	Action, EscapedAction Action
 	// FollowAnnotations applies a changed spec instead of reporting it.
 	FollowAnnotations bool
@@ -148,12 +188,18 @@ type Options struct {
 	// change of its annotations since is reported, instead of the annotations
 	// being taken as the spec it was redirected with.
 	Applied AppliedSpecs
+	// Decisions, when set, say what each pod's sandbox's ADD decided: a pod ADD
+	// skipped is never audited nor escaped, and annotations that disagree with the
+	// ADD are reported, never acted on (Decided).
+	Decisions Decisions
 
 	Pods   Pods
 	Netns  Netns
-	Client kubernetes.Interface // delete (escaped pods); nil: delete fails
-	Events record.EventRecorder
-	// ReadyToDelete, when set, must return nil before a pod is deleted (the plugin
+	Client kubernetes.Interface // unused by the audit itself (the Evictor has its own)
+	// Evictor evicts escaped pods (EscapedAction evict); nil: evict fails.
+	Evictor *heal.Evictor
+	Events  record.EventRecorder
+	// ReadyToDelete, when set, must return nil before a pod is evicted (the plugin
 	// installed, so the recreated pod gets its redirect).
 	ReadyToDelete func() error
 	Metrics       *Metrics
@@ -179,13 +225,16 @@ type podState struct {
 	// spec and hash: the redirect the pod was last seen with, or repaired to.
 	spec *spec.Spec
 	hash string
-	// path and ino: where the pod's namespace was found, and its inode.
+	// path and id: where the pod's namespace was located, and its identity with
+	// its cookie (never reused): reopened by path while it is that namespace.
 	path string
-	ino  uint64
+	id   podnetns.Identity
 	// kind: the backend found holding the pod's redirect (checked without probing).
 	kind backend.Kind
 	// gone: the namespace was not found; skipped until the containers start again.
 	gone bool
+	// recorded: the pod's sandbox's ADD is recorded as meshed.
+	recorded bool
 	// reported: the last finding reported (report mode: not repeated each round);
 	// changed: the annotations' spec hash last reported as changed; lastErr: the
 	// last error logged at Warn level.
@@ -201,7 +250,7 @@ func New(o Options) (*Auditor, error) {
 		o.Action = ActionRepair
 	}
 	if o.EscapedAction == "" {
-		o.EscapedAction = ActionDelete
+		o.EscapedAction = ActionRepair
 	}
 	if _, err := ParseAction(string(o.Action)); err != nil {
 		return nil, err
@@ -219,7 +268,7 @@ func New(o Options) (*Auditor, error) {
 		o.InitContainer = "istio-validation"
 	}
 	if o.Netns == nil {
-		o.Netns = &podnetns.Finder{}
+		o.Netns = &podnetns.Locator{}
 	}
 	if o.Check == nil {
 		o.Check = engine.CheckReport

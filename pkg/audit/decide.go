@@ -5,10 +5,12 @@
 //
 //   - repair (default): re-apply the pod's redirect atomically, in place;
 //   - report: change nothing; the Event, the metric and the log line say what changed;
-//   - delete (escaped pods only, their default): a pod with no meshcni redirect at
-//     all and no validation init container — its sandbox was created while meshcni
-//     was not in the CNI chain — is deleted so its controller recreates it through
-//     the chain.
+//   - evict (escaped pods only, opt-in; the escaped pods' default is repair): a pod
+//     with no meshcni redirect at all, no validation init container and no record
+//     of its sandbox's ADD — its sandbox was created while meshcni was not in the
+//     CNI chain — is evicted (pkg/heal: the Eviction API, PodDisruptionBudgets,
+//     never a bare or mirror pod, the node's budget and circuit breaker) so its
+//     controller recreates it through the chain.
 //
 // Pods the plugin deliberately skips (capture.Decide) are never touched. The spec a
 // pod was redirected with is remembered (first audit, or the last repair; across
@@ -16,8 +18,14 @@
 // sandbox's ADD): a later change of its annotations is reported, not applied
 // (Istio re-reads none), unless FollowAnnotations is set.
 //
-// Cost is bounded: a round enters each pod's namespace once (the namespace is found
-// once, then reopened by the path it was found through), rounds are spread over the
+// A pod's namespace is its sandbox's (podnetns.Locator: the netns recorded at ADD,
+// verified, else the one of the pod's cgroup, cross-checked), never the one that
+// holds its IP: a namespace not verified to be the pod's is reported (Event
+// MeshcniSandboxUnverified, meshcni_audit_refused_total) and nothing is done.
+//
+// Cost is bounded: a round enters each pod's namespace once (the namespace is
+// located once, then reopened by the path it was located through while its device,
+// inode and cookie are the same), rounds are spread over the
 // period, at most Concurrency pods are checked at a time, and a pod whose namespace
 // is gone is dropped until its containers start again.
 //
@@ -29,42 +37,47 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/heal"
+	"github.com/meshcni/meshcni/pkg/sandboxstate"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
-// Action is what the audit does about a pod whose redirect drifted.
-type Action string
+// Action is what the audit does about a pod whose redirect drifted (the agent's
+// healing actions, pkg/heal).
+type Action = heal.Action
 
 // The actions.
 const (
-	ActionRepair Action = "repair" // re-apply the redirect in place
-	ActionReport Action = "report" // Event, metric, log; nothing changed
-	ActionDelete Action = "delete" // escaped pods only: delete, the controller recreates it
+	ActionRepair = heal.Repair // re-apply the redirect in place
+	ActionReport = heal.Report // Event, metric, log; nothing changed
+	ActionEvict  = heal.Evict  // escaped pods only: evict, the controller recreates it
+	// ActionDelete is the name "delete" is accepted under: evict.
+	ActionDelete = heal.Evict
 )
 
 // ParseAction parses the drift action (repair or report).
 func ParseAction(s string) (Action, error) {
-	switch a := Action(strings.TrimSpace(s)); a {
-	case ActionRepair, ActionReport:
-		return a, nil
+	a, err := heal.ParseAction(s, ActionRepair, ActionReport)
+	if err != nil {
+		return "", fmt.Errorf("audit action: %w", err)
 	}
-	return "", fmt.Errorf("unknown audit action %q: want repair or report", s)
+	return a, nil
 }
 
-// ParseEscapedAction parses the escaped-pod action (delete, repair or report).
+// ParseEscapedAction parses the escaped-pod action (repair, evict or report;
+// delete is evict).
 func ParseEscapedAction(s string) (Action, error) {
-	switch a := Action(strings.TrimSpace(s)); a {
-	case ActionDelete, ActionRepair, ActionReport:
-		return a, nil
+	a, err := heal.ParseAction(s, ActionRepair, ActionEvict, ActionReport)
+	if err != nil {
+		return "", fmt.Errorf("audit escaped-pod action: %w", err)
 	}
-	return "", fmt.Errorf("unknown audit escaped-pod action %q: want delete, repair or report", s)
+	return a, nil
 }
 
 // Reasons of drift besides the engine's (engine.Reasons), as metric labels.
@@ -84,8 +97,20 @@ func MetricReasons() []engine.Reason {
 
 // Audited says whether the audit looks at pod, and why not. It looks at pods of
 // node (any, when node is ""), running, not being deleted, not on the host network,
-// with an IP, that the plugin redirects (capture.Decide with mesh).
+// with an IP, that the plugin redirects (capture.Decide with mesh: the pod's
+// current annotations; the Auditor asks the sandbox's record first, Decided).
 func Audited(pod *corev1.Pod, node string, mesh capture.Config) (bool, string) {
+	if ok, why := eligible(pod, node); !ok {
+		return false, why
+	}
+	if d := capture.Decide(k8spod.From(pod), mesh); !d.Captured() {
+		return false, "not meshed: " + d.Reason
+	}
+	return true, ""
+}
+
+// eligible: Audited but the meshed decision.
+func eligible(pod *corev1.Pod, node string) (bool, string) {
 	switch {
 	case pod == nil:
 		return false, "no pod"
@@ -100,10 +125,35 @@ func Audited(pod *corev1.Pod, node string, mesh capture.Config) (bool, string) {
 	case pod.Status.PodIP == "":
 		return false, "pod has no IP yet"
 	}
-	if d := capture.Decide(k8spod.From(pod), mesh); !d.Captured() {
-		return false, "not meshed: " + d.Reason
-	}
 	return true, ""
+}
+
+// Decision is what the ADD of the pod's sandbox decided, as the agent recorded it.
+type Decision = sandboxstate.Decision
+
+// Verdict is how the audit treats a pod, from what its sandbox's ADD decided
+// (recorded: "", none) and what its annotations say now (meshedNow).
+type Verdict int
+
+// The verdicts.
+const (
+	Skip   Verdict = iota // not audited
+	Check                 // audited
+	Change                // the annotations changed since the ADD: reported, never acted on
+)
+
+// Decided judges a pod by its ADD's decision: a pod ADD skipped is never
+// audited (escaped or not), a pod ADD meshed is audited against its recorded
+// redirect; when the annotations disagree with the ADD the change is reported and
+// nothing is done. Without a record, the current annotations decide.
+func Decided(recorded Decision, meshedNow bool) Verdict {
+	switch {
+	case recorded == sandboxstate.Skipped && meshedNow, recorded == sandboxstate.Meshed && !meshedNow:
+		return Change
+	case recorded == sandboxstate.Skipped, recorded == "" && !meshedNow:
+		return Skip
+	}
+	return Check
 }
 
 // HasInitContainer reports whether pod declares an init container called name (the
@@ -150,13 +200,15 @@ type Judgement struct {
 }
 
 // Judge decides from a drift report (absent: the namespace holds no meshcni rule in
-// any backend; validation: the pod has a validation init container).
-func Judge(r engine.Report, absent, validation bool, action, escaped Action) Judgement {
+// any backend; validation: the pod has a validation init container; recorded: its
+// sandbox's ADD is recorded as meshed). Only a pod without a record can be
+// escaped: a recorded ADD ran through meshcni, so missing rules are drift.
+func Judge(r engine.Report, absent, validation, recorded bool, action, escaped Action) Judgement {
 	if r.Empty() {
 		return Judgement{}
 	}
 	j := Judgement{Drift: true, Action: action, Reasons: r.Reasons()}
-	if absent && !validation {
+	if absent && !validation && !recorded {
 		j.Escaped, j.Action, j.Reasons = true, escaped, []engine.Reason{ReasonNoRedirect}
 	}
 	return j

@@ -10,6 +10,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/sandboxstate"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -50,18 +51,20 @@ func TestAudited(t *testing.T) {
 func TestJudge(t *testing.T) {
 	drift := engine.Report{Drift: backend.Drift{Missing: []string{"x"}}, Findings: []engine.Finding{{Reason: engine.ReasonMissingChain}}}
 	for _, tc := range []struct {
-		name               string
-		r                  engine.Report
-		absent, validation bool
-		want               Judgement
+		name                         string
+		r                            engine.Report
+		absent, validation, recorded bool
+		want                         Judgement
 	}{
-		{"clean", engine.Report{}, false, false, Judgement{}},
-		{"drift", drift, false, true, Judgement{Drift: true, Action: ActionRepair, Reasons: []engine.Reason{engine.ReasonMissingChain}}},
-		{"nothing left, validation container: repaired, the validation catches the next start", drift, true, true,
+		{"clean", engine.Report{}, false, false, false, Judgement{}},
+		{"drift", drift, false, true, false, Judgement{Drift: true, Action: ActionRepair, Reasons: []engine.Reason{engine.ReasonMissingChain}}},
+		{"nothing left, validation container: repaired, the validation catches the next start", drift, true, true, false,
 			Judgement{Drift: true, Action: ActionRepair, Reasons: []engine.Reason{engine.ReasonMissingChain}}},
-		{"escaped", drift, true, false, Judgement{Drift: true, Escaped: true, Action: ActionDelete, Reasons: []engine.Reason{ReasonNoRedirect}}},
+		{"escaped", drift, true, false, false, Judgement{Drift: true, Escaped: true, Action: ActionEvict, Reasons: []engine.Reason{ReasonNoRedirect}}},
+		{"nothing left, ADD recorded meshed: drift, not escaped", drift, true, false, true,
+			Judgement{Drift: true, Action: ActionRepair, Reasons: []engine.Reason{engine.ReasonMissingChain}}},
 	} {
-		if got := Judge(tc.r, tc.absent, tc.validation, ActionRepair, ActionDelete); !reflect.DeepEqual(got, tc.want) {
+		if got := Judge(tc.r, tc.absent, tc.validation, tc.recorded, ActionRepair, ActionEvict); !reflect.DeepEqual(got, tc.want) {
 			t.Errorf("%s: %+v, want %+v", tc.name, got, tc.want)
 		}
 	}
@@ -91,12 +94,12 @@ func TestParseActions(t *testing.T) {
 	if a, err := ParseAction(" report "); err != nil || a != ActionReport {
 		t.Fatal(a, err)
 	}
-	if _, err := ParseAction("delete"); err == nil {
-		t.Fatal("delete is for escaped pods only")
+	if _, err := ParseAction("evict"); err == nil {
+		t.Fatal("evict is for escaped pods only")
 	}
-	for _, s := range []string{"delete", "repair", "report"} {
-		if a, err := ParseEscapedAction(s); err != nil || string(a) != s {
-			t.Fatal(a, err)
+	for s, want := range map[string]Action{"evict": ActionEvict, "delete": ActionEvict, "repair": ActionRepair, "report": ActionReport} {
+		if a, err := ParseEscapedAction(s); err != nil || a != want {
+			t.Fatal(s, a, err)
 		}
 	}
 	if _, err := ParseEscapedAction("label"); err == nil {
@@ -112,5 +115,24 @@ func TestHash(t *testing.T) {
 	b.OutboundPortsExclude = []uint16{8080}
 	if Hash(&a) == Hash(&b) {
 		t.Fatal("different specs, same hash")
+	}
+}
+
+func TestDecided(t *testing.T) {
+	for _, tc := range []struct {
+		recorded  Decision
+		meshedNow bool
+		want      Verdict
+	}{
+		{"", true, Check},
+		{"", false, Skip},
+		{sandboxstate.Meshed, true, Check},
+		{sandboxstate.Meshed, false, Change},
+		{sandboxstate.Skipped, false, Skip},
+		{sandboxstate.Skipped, true, Change},
+	} {
+		if got := Decided(tc.recorded, tc.meshedNow); got != tc.want {
+			t.Errorf("Decided(%q, meshed now %v) = %v, want %v", tc.recorded, tc.meshedNow, got, tc.want)
+		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"strings"
 	"sync"
@@ -11,13 +12,18 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/record"
 
 	"github.com/meshcni/meshcni/pkg/audit"
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 )
 
@@ -59,7 +65,7 @@ type netnsByName struct {
 	finds int
 }
 
-func (n *netnsByName) FindPod(_ context.Context, pod *corev1.Pod) (*podnetns.Handle, error) {
+func (n *netnsByName) Locate(_ context.Context, pod *corev1.Pod) (*podnetns.Handle, error) {
 	n.mu.Lock()
 	path, ok := n.paths[pod.Name]
 	n.finds++
@@ -147,4 +153,25 @@ func hasEvent(evs []string, reason string, parts ...string) bool {
 
 func testutilToFloat(m *audit.Metrics, stage string) float64 {
 	return testutil.ToFloat64(m.Errors.WithLabelValues(stage))
+}
+
+// evictor is the eviction path over the fake clientset, whose Eviction API
+// deletes the pod (the real API server's answers are the test bed's).
+func evictor(cs *fake.Clientset) *heal.Evictor {
+	cs.PrependReactor("create", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		if a.GetSubresource() != "eviction" {
+			return false, nil, nil
+		}
+		ev := a.(k8stesting.CreateAction).GetObject().(*policyv1.Eviction)
+		return true, nil, cs.Tracker().Delete(corev1.SchemeGroupVersion.WithResource("pods"), ev.Namespace, ev.Name)
+	})
+	m, _ := heal.NewMetrics(nil)
+	return &heal.Evictor{Client: cs, Budget: heal.NewBudget(heal.Limits{}), Meshed: func() int { return 100 }, Metrics: m, Log: slog.New(slog.DiscardHandler)}
+}
+
+// owned gives the pod a controller owner (an evictable pod).
+func owned(pod *corev1.Pod) *corev1.Pod {
+	yes := true
+	pod.OwnerReferences = []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: pod.Name + "-rs", Controller: &yes}}
+	return pod
 }

@@ -155,6 +155,11 @@ var drifts = []struct {
 
 func newAuditor(t testing.TB, p *pods, n *netnsByName, mut func(*audit.Options)) (*audit.Auditor, *record.FakeRecorder, *audit.Metrics) {
 	t.Helper()
+	return newAuditorWith(t, p, n, mut)
+}
+
+func newAuditorWith(t testing.TB, p *pods, n audit.Netns, mut func(*audit.Options)) (*audit.Auditor, *record.FakeRecorder, *audit.Metrics) {
+	t.Helper()
 	rec := record.NewFakeRecorder(1000)
 	m, err := audit.NewMetrics(nil)
 	if err != nil {
@@ -262,14 +267,15 @@ func TestReportModeChangesNothing(t *testing.T) {
 	}
 }
 
-// TestEscapedPod: a meshed pod with no redirect at all and no validation init
-// container is deleted (default), repaired, or reported, as configured.
+// TestEscapedPod: a meshed pod with no redirect at all, no validation init
+// container and no record is repaired (default), evicted, or reported, as
+// configured.
 func TestEscapedPod(t *testing.T) {
 	itestutil.RequireRoot(t)
 	ctx := context.Background()
-	for _, action := range []audit.Action{audit.ActionDelete, audit.ActionRepair, audit.ActionReport} {
+	for _, action := range []audit.Action{audit.ActionEvict, audit.ActionRepair, audit.ActionReport} {
 		t.Run(string(action), func(t *testing.T) {
-			pod := meshedPod("escaped", traffic.PodIPv4.String(), nil)
+			pod := owned(meshedPod("escaped", traffic.PodIPv4.String(), nil))
 			pod.Spec.InitContainers = nil
 			net := traffic.NewPod(t)
 			traffic.StartApp(t, net.PeerNetNS, netip.MustParseAddrPort("[::]:8080"), "peer-app")
@@ -278,10 +284,10 @@ func TestEscapedPod(t *testing.T) {
 			p := &pods{list: []*corev1.Pod{pod}}
 			a, rec, m := newAuditor(t, p, &netnsByName{paths: map[string]string{"escaped": net.NetNS}}, func(o *audit.Options) {
 				o.EscapedAction = action
-				o.Client = cs
+				o.Client, o.Evictor = cs, evictor(cs)
 			})
 			st := a.Round(ctx)
-			want := map[audit.Action]audit.Result{audit.ActionDelete: audit.Deleted, audit.ActionRepair: audit.Repaired, audit.ActionReport: audit.Reported}[action]
+			want := map[audit.Action]audit.Result{audit.ActionEvict: audit.Evicted, audit.ActionRepair: audit.Repaired, audit.ActionReport: audit.Reported}[action]
 			if st[want] != 1 {
 				t.Fatalf("round: %v, want %s", st, want)
 			}
@@ -292,8 +298,8 @@ func TestEscapedPod(t *testing.T) {
 				t.Error("meshcni_drift_detected_total{reason=no-redirect} != 1")
 			}
 			_, err := cs.CoreV1().Pods("app").Get(ctx, "escaped", metav1.GetOptions{})
-			if deleted := err != nil; deleted != (action == audit.ActionDelete) {
-				t.Errorf("pod deleted: %v, want %v", deleted, action == audit.ActionDelete)
+			if deleted := err != nil; deleted != (action == audit.ActionEvict) {
+				t.Errorf("pod deleted: %v, want %v", deleted, action == audit.ActionEvict)
 			}
 			s := &scratch{pod: pod, net: net}
 			if got := s.outboundCaptured(t); got != (action == audit.ActionRepair) {

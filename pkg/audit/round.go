@@ -12,13 +12,13 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/podnetns"
+	"github.com/meshcni/meshcni/pkg/sandboxstate"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -30,7 +30,7 @@ const (
 	Skipped  Result = "skipped"  // not audited (not meshed, not running, busy, dropped)
 	Clean    Result = "clean"    // the live redirect is the spec's
 	Repaired Result = "repaired" // drift, re-applied in place
-	Deleted  Result = "deleted"  // escaped, deleted
+	Evicted  Result = "evicted"  // escaped, evicted
 	Reported Result = "reported" // drift (or changed annotations), reported only
 	Gone     Result = "gone"     // the namespace is gone: dropped
 	Failed   Result = "failed"   // an error (logged, counted)
@@ -149,7 +149,7 @@ func (a *Auditor) Run(ctx context.Context) error {
 
 func (a *Auditor) logRound(s Stats) {
 	args := []any{}
-	for _, r := range []Result{Clean, Repaired, Deleted, Reported, Gone, Failed, Skipped} {
+	for _, r := range []Result{Clean, Repaired, Evicted, Reported, Gone, Failed, Skipped} {
 		args = append(args, string(r), s[r])
 	}
 	a.o.Log.Debug(LogRound, args...)
@@ -185,7 +185,17 @@ func (a *Auditor) Pod(ctx context.Context, pod *corev1.Pod) Result {
 		return Skipped
 	}
 	pod = cur
-	if ok, _ := Audited(pod, a.o.Node, a.o.Mesh); !ok {
+	if ok, _ := eligible(pod, a.o.Node); !ok {
+		return Skipped
+	}
+	meshedNow, _ := Audited(pod, a.o.Node, a.o.Mesh)
+	var recorded Decision
+	why := ""
+	if a.o.Decisions != nil {
+		recorded, why = a.o.Decisions.Decided(pod)
+	}
+	verdict := Decided(recorded, meshedNow)
+	if verdict == Skip {
 		return Skipped
 	}
 	st := a.state(pod.UID)
@@ -193,10 +203,14 @@ func (a *Auditor) Pod(ctx context.Context, pod *corev1.Pod) Result {
 		return Skipped
 	}
 	defer st.busy.Unlock()
+	log := a.o.Log.With("pod_namespace", pod.Namespace, "pod_name", pod.Name, "pod_uid", string(pod.UID))
+	if verdict == Change {
+		return a.changedSinceAdd(pod, st, recorded, why, log)
+	}
+	st.recorded = recorded == sandboxstate.Meshed
 	if st.gone {
 		return Skipped
 	}
-	log := a.o.Log.With("pod_namespace", pod.Namespace, "pod_name", pod.Name, "pod_uid", string(pod.UID))
 	want, err := a.spec(pod)
 	if err != nil {
 		return a.fail(log, st, "spec", err)
@@ -204,6 +218,9 @@ func (a *Auditor) Pod(ctx context.Context, pod *corev1.Pod) Result {
 	a.recall(pod, st)
 	target, changed := a.target(pod, st, want, log)
 	h, err := a.netns(ctx, pod, st)
+	if r := refusal(err); r != "" {
+		return a.refuse(pod, st, log, r, err)
+	}
 	if errors.Is(err, podnetns.ErrNotFound) {
 		st.gone = true
 		log.Info(LogGone, "err", err)
@@ -236,6 +253,26 @@ func (a *Auditor) Pod(ctx context.Context, pod *corev1.Pod) Result {
 		return Clean
 	}
 	return a.drift(ctx, pod, st, o, target, rep, h.Path, log)
+}
+
+// changedSinceAdd reports, once, a pod whose annotations disagree with what its
+// sandbox's ADD decided; nothing is done (the running pod keeps what its ADD gave
+// it; the new annotations apply when it is recreated).
+func (a *Auditor) changedSinceAdd(pod *corev1.Pod, st *podState, recorded Decision, why string, log *slog.Logger) Result {
+	now := "meshed"
+	if recorded == sandboxstate.Meshed {
+		now = "not meshed"
+	}
+	key := string(recorded) + "→" + now
+	if st.changed == key {
+		return Reported
+	}
+	st.changed = key
+	a.o.Metrics.Detected.WithLabelValues(string(ReasonAnnotationsChanged)).Inc()
+	msg := fmt.Sprintf("meshcni: the pod's annotations say %s, but its sandbox's ADD decided %s (%s); nothing is changed or deleted: the pod keeps what its ADD gave it until it is recreated", now, recorded, why)
+	a.o.Events.Event(pod, corev1.EventTypeWarning, EventAnnotationsChanged, msg)
+	log.Warn(LogChanged, "reason", ReasonAnnotationsChanged, "add_decision", recorded, "add_reason", why, "annotations", now)
+	return Reported
 }
 
 // spec is the redirect the pod's annotations give today.
@@ -292,24 +329,41 @@ func (a *Auditor) target(pod *corev1.Pod, st *podState, want *spec.Spec, log *sl
 	return st.spec, true
 }
 
-// netns opens the pod's namespace: by the path it was found through when that still
-// leads to the same namespace, else by finding it again.
+// netns opens the pod's namespace: by the path it was located through when that
+// still leads to the same namespace (device, inode and cookie), else by locating
+// it again (Options.Netns: by its sandbox).
 func (a *Auditor) netns(ctx context.Context, pod *corev1.Pod, st *podState) (*podnetns.Handle, error) {
 	if st.path != "" {
-		h, err := podnetns.Open(st.path)
-		if err == nil && h.Inode() == st.ino {
-			return h, nil
-		}
-		if h != nil {
+		if h, err := podnetns.Open(st.path); err == nil {
+			if id, err := h.Cookied(); err == nil && id == st.id {
+				return h, nil
+			}
 			h.Close()
 		}
+		st.path = ""
 	}
-	h, err := a.o.Netns.FindPod(ctx, pod)
+	h, err := a.o.Netns.Locate(ctx, pod)
 	if err != nil {
 		return nil, err
 	}
-	st.path, st.ino = h.Path, h.Inode()
+	if id, err := h.Cookied(); err == nil && id.Cookie != 0 {
+		st.path, st.id = h.Path, id
+	}
 	return h, nil
+}
+
+// refuse reports a pod whose namespace is not verified to be its sandbox's: an
+// Event once per distinct cause, the Refused metric, a log line; nothing is done.
+func (a *Auditor) refuse(pod *corev1.Pod, st *podState, log *slog.Logger, reason string, err error) Result {
+	a.o.Metrics.Refused.WithLabelValues(reason).Inc()
+	if msg := "refused: " + err.Error(); msg != st.lastErr {
+		st.lastErr = msg
+		a.o.Events.Event(pod, corev1.EventTypeWarning, EventRefused, "meshcni: "+err.Error()+"; nothing was changed or deleted")
+		log.Warn(LogRefused, "reason", reason, "err", err)
+	} else {
+		log.Debug(LogRefused, "reason", reason, "err", err)
+	}
+	return Reported
 }
 
 // fail counts an error and logs it: at Warn the first time, at Debug while it repeats.
@@ -348,13 +402,13 @@ func (a *Auditor) drift(ctx context.Context, pod *corev1.Pod, st *podState, o en
 	if Absent(rep) {
 		absent = a.noRules(ctx, o)
 	}
-	j := Judge(rep, absent, HasInitContainer(pod, a.o.InitContainer), a.o.Action, a.o.EscapedAction)
+	j := Judge(rep, absent, HasInitContainer(pod, a.o.InitContainer), st.recorded, a.o.Action, a.o.EscapedAction)
 	desc := rep.Describe()
 	if j.Escaped {
 		desc = fmt.Sprintf("no meshcni redirect at all and no %s init container: the pod's sandbox was created while meshcni was not in the node's CNI chain", a.o.InitContainer)
 	}
-	if j.Action == ActionReport && st.reported == desc {
-		return Reported // reported already: not every round
+	if (j.Action == ActionReport || j.Action == ActionEvict) && st.reported == desc {
+		return Reported // reported (or its eviction refused) already: not every round
 	}
 	for _, r := range j.Reasons {
 		a.o.Metrics.Detected.WithLabelValues(string(r)).Inc()
@@ -416,32 +470,29 @@ func (a *Auditor) act(ctx context.Context, pod *corev1.Pod, o engine.Options, ta
 			return "", Failed, fmt.Errorf("re-apply the redirect in %s: %w", where, err)
 		}
 		return fmt.Sprintf("redirect re-applied in place (backend %s, netns %s)", kind, where), Repaired, nil
-	case ActionDelete:
-		if err := a.delete(ctx, pod); err != nil {
+	case ActionEvict:
+		err := a.evict(ctx, pod)
+		if r, ok := heal.IsRefused(err); ok {
+			return "not evicted: " + r.Error() + "; nothing changed", Reported, nil
+		}
+		if err != nil {
 			return "", Failed, err
 		}
-		return "pod deleted: its controller recreates it through meshcni's plugin", Deleted, nil
+		return "pod evicted: its controller recreates it through meshcni's plugin", Evicted, nil
 	}
 	return "", Failed, fmt.Errorf("unknown action %q", j.Action)
 }
 
-func (a *Auditor) delete(ctx context.Context, pod *corev1.Pod) error {
+func (a *Auditor) evict(ctx context.Context, pod *corev1.Pod) error {
 	if a.o.ReadyToDelete != nil {
 		if err := a.o.ReadyToDelete(); err != nil {
-			return fmt.Errorf("not deleting: the plugin is not installed yet: %w", err)
+			return fmt.Errorf("not evicting: the plugin is not installed yet: %w", err)
 		}
 	}
-	if a.o.Client == nil {
-		return errors.New("not deleting: no Kubernetes API access")
+	if a.o.Evictor == nil {
+		return errors.New("not evicting: no Kubernetes API access")
 	}
-	uid, rv := pod.UID, pod.ResourceVersion
-	err := a.o.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
-		Preconditions: &metav1.Preconditions{UID: &uid, ResourceVersion: &rv},
-	})
-	if err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("delete: %w", err)
-	}
-	return nil
+	return a.o.Evictor.Evict(ctx, pod)
 }
 
 // actionFailed reports a failed action (Event once per distinct error).

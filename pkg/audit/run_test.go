@@ -21,7 +21,7 @@ import (
 // process may open): the check is faked, so nothing is read there.
 type ownNetns struct{}
 
-func (ownNetns) FindPod(context.Context, *corev1.Pod) (*podnetns.Handle, error) {
+func (ownNetns) Locate(context.Context, *corev1.Pod) (*podnetns.Handle, error) {
 	return podnetns.Open("/proc/self/ns/net")
 }
 

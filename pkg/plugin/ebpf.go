@@ -3,7 +3,6 @@ package plugin
 import (
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/capture"
-	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -16,7 +15,7 @@ func (inv *invocation) ebpfReport(a capture.Acceleration, s *spec.Spec) *agentso
 	if a == capture.AccelOff || inv.sock == nil {
 		return nil
 	}
-	cookie, err := netnsutil.Cookie(inv.args.Netns)
+	cookie, err := inv.cookie()
 	if err != nil {
 		inv.log.Debug("no eBPF acceleration for the pod", "err", err)
 		return nil

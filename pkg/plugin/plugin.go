@@ -130,6 +130,11 @@ type invocation struct {
 	sock      *agentsock.Client
 	start     time.Time
 	ebpf      *agentsock.PodEBPF // a meshed pod's, reported with a successful ADD
+	// decision and reason: what the ADD decided (sandbox.go); the netns cookie, read once.
+	decision, reason string
+	cookieRead       bool
+	netnsCookie      uint64
+	cookieErr        error
 }
 
 func (p *Plugin) begin(args *skel.CmdArgs, withPrev bool) (*invocation, error) {
@@ -182,6 +187,9 @@ func (inv *invocation) end(command string, err error) {
 		r.ErrorMsg = err.Error()
 	} else {
 		r.EBPF = inv.ebpf
+		if command == agentsock.CommandAdd {
+			r.Sandbox = inv.sandboxReport()
+		}
 	}
 	_ = inv.sock.Report(r)
 	_ = inv.sock.Close()
@@ -259,6 +267,9 @@ func (p *Plugin) Add(args *skel.CmdArgs) (err error) {
 func (p *Plugin) add(inv *invocation, prev *current.Result) error {
 	if r := inv.skipReason(); r != "" {
 		inv.log.Info("pod not meshed", "reason", r)
+		if inv.namespace != "" && inv.name != "" {
+			inv.decided(agentsock.DecisionSkipped, r)
+		}
 		return nil
 	}
 	ctx := context.Background()
@@ -269,8 +280,10 @@ func (p *Plugin) add(inv *invocation, prev *current.Result) error {
 	d := capture.Decide(pod, inv.cfg.CaptureConfig())
 	if !d.Captured() {
 		inv.log.Info("pod not meshed", "reason", d.Reason)
+		inv.decided(agentsock.DecisionSkipped, d.Reason)
 		return nil
 	}
+	inv.decided(agentsock.DecisionMeshed, d.Reason)
 	s, accel, err := p.podSpec(inv, pod, prev)
 	if err != nil {
 		return err

@@ -66,3 +66,43 @@ func BenchmarkFind(b *testing.B) {
 		}
 	})
 }
+
+// BenchmarkLocateVsFind is one look-up of each of 110 pods' namespaces (a node's
+// pod limit), side by side: by the sandbox's record (open, verify device, inode and
+// cookie) and by the IP scan of the netns directory (Finder, without /proc).
+func BenchmarkLocateVsFind(b *testing.B) {
+	testutil.RequireRoot(b)
+	const n = 110
+	dir := b.TempDir()
+	ips := make([]netip.Addr, n)
+	recs := make(records, n)
+	for i := range n {
+		ips[i], _ = uniqueAddrs()
+		path := bindInto(b, dir, fmt.Sprintf("cni-%03d", i), podNetns(b, false, ips[i]))
+		recs[i] = podnetns.Sandbox{ID: fmt.Sprintf("sb-%03d", i), PodUID: fmt.Sprintf("uid-%03d", i), Path: path, Netns: identity(b, path)}
+	}
+	b.Run(fmt.Sprintf("record/%d", n), func(b *testing.B) {
+		l := &podnetns.Locator{ProcDir: b.TempDir(), Records: recs}
+		for b.Loop() {
+			for i := range n {
+				h, err := l.Locate(context.Background(), locPod(recs[i].PodUID, ips[i].String()))
+				if err != nil {
+					b.Fatal(err)
+				}
+				h.Close()
+			}
+		}
+	})
+	b.Run(fmt.Sprintf("ipscan/%d", n), func(b *testing.B) {
+		f := &podnetns.Finder{NetnsDirs: []string{dir}, ProcDir: "-"}
+		for b.Loop() {
+			for i := range n {
+				h, err := f.Find(context.Background(), []netip.Addr{ips[i]})
+				if err != nil {
+					b.Fatal(err)
+				}
+				h.Close()
+			}
+		}
+	})
+}

@@ -1,9 +1,17 @@
-// Package podnetns finds a pod's network namespace on this host from the pod's IP
-// addresses: it scans bind-mounted netns files (where container runtimes keep them)
-// and the network namespaces of the host's processes, and looks for the addresses on
-// an interface other than loopback, over netlink. It returns the namespace held open
-// (Handle), never the host's own, and refuses to choose when several namespaces hold
-// the addresses.
+// Package podnetns finds a pod's network namespace on this host and holds it open
+// (Handle), never the host's own.
+//
+// Locator (locate.go) is what acts on a pod uses: the namespace of the pod's
+// sandbox as the agent recorded it at ADD, verified by device, inode and cookie,
+// else the namespace of the pod's cgroup (found by the pod's UID), cross-checked
+// by its addresses; never a namespace found by an IP alone.
+//
+// Finder finds a namespace from the pod's IP addresses: it scans bind-mounted netns
+// files (where container runtimes keep them) and the network namespaces of the
+// host's processes, and looks for the addresses on an interface other than
+// loopback, over netlink, refusing to choose when several namespaces hold them. An
+// address outlives its pod (IPAM gives it to the next sandbox), so Finder serves
+// read-only inspection (meshcnictl inspect), never an action.
 package podnetns
 
 import (

@@ -237,7 +237,7 @@ func (h *apiHarness) replace(name string) *corev1.Pod {
 // resourceVersion it read, so a pod whose status moved on or a namesake that replaced
 // it meanwhile is refused by the API server (409) and stays.
 func TestRealAPIDelete(t *testing.T) {
-	h := startAPI(t, "meshcni-repair-api-del", ActionDelete)
+	h := startAPI(t, "meshcni-repair-api-del", ActionEvict)
 
 	t.Run("a broken pod is deleted", func(t *testing.T) {
 		h.t = t
@@ -300,7 +300,7 @@ func TestRealAPIDelete(t *testing.T) {
 			}
 		}
 	})
-	if n := testutilCount(h.m, ActionDelete, resultSuccess); n != 1 {
+	if n := testutilCount(h.m, ActionEvict, resultSuccess); n != 1 {
 		t.Errorf("delete successes %v, want 1", n)
 	}
 }

@@ -23,19 +23,23 @@ import (
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/podnetns"
+	"github.com/meshcni/meshcni/pkg/sandboxstate"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
 // Event reasons on the pods acted on.
 const (
 	ReasonRepaired = "MeshcniRedirectRepaired"    // Normal: rules applied in place
-	ReasonDeleted  = "MeshcniDeletedUnredirected" // Normal: pod deleted for its controller to recreate
+	ReasonDeleted  = "MeshcniEvictedUnredirected" // Normal: pod evicted for its controller to recreate
 	ReasonLabeled  = "MeshcniLabeledUnredirected" // Normal: label set
 	ReasonFailed   = "MeshcniRepairFailed"        // Warning: the action failed
 	ReasonGaveUp   = "MeshcniRepairGaveUp"        // Warning: the action failed MaxAttempts times
+	ReasonRefused  = "MeshcniSandboxUnverified"   // Warning: the pod's netns or decision forbids acting: nothing done
 	resultSuccess  = "success"
 	resultError    = "error"
+	resultRefused  = "refused"
 	defaultWorkers = 4
 	// MaxRepairsPerPod bounds the in-place repairs of one pod: a pod whose validation
 	// still fails after that many is failing for another reason.
@@ -59,6 +63,7 @@ const (
 	LogSucceeded = "repair action succeeded"
 	LogFailed    = "repair action failed, will retry"
 	LogGaveUp    = "repair action failed, giving up"
+	LogRefused   = "repair refused: nothing done to the pod"
 	// Debug records: the controller looked at a pod and leaves it alone (for now).
 	LogNotBroken   = "repair: pod not broken" // the cheap test on every add/update
 	LogNothingToDo = "repair: nothing to do"  // Decide on a queued pod, or its failed run was handled
@@ -72,11 +77,18 @@ type Pods interface {
 	WaitForSync(ctx context.Context) bool
 }
 
-// Netns finds a pod's network namespace on this host and holds it open
-// (podnetns.Finder: an error wrapping podnetns.ErrAmbiguous when several namespaces
-// hold the pod's addresses).
+// Netns finds a pod's network namespace by its sandbox and holds it open
+// (podnetns.Locator: the recorded netns, verified, else the one of the pod's
+// cgroup, cross-checked; never by an IP alone).
 type Netns interface {
-	FindPod(ctx context.Context, pod *corev1.Pod) (*podnetns.Handle, error)
+	Locate(ctx context.Context, pod *corev1.Pod) (*podnetns.Handle, error)
+}
+
+// Decisions is what the agent recorded of each pod's sandbox's ADD (pkg/agent's
+// Sandboxes): the decision of the pod's newest recorded sandbox and its reason
+// ("": no record says).
+type Decisions interface {
+	Decided(pod *corev1.Pod) (sandboxstate.Decision, string)
 }
 
 // ApplyFunc writes a pod's redirect (engine.Apply).
@@ -91,7 +103,7 @@ type Metrics struct {
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m := &Metrics{Repairs: prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "meshcni_repairs_total",
-		Help: "Actions of the repair controller on pods whose validation init container found no redirect, by action (repair, delete, label) and result (success, error).",
+		Help: "Actions of the repair controller on pods whose validation init container found no redirect, by action (repair, evict, label) and result (success, error, refused: the pod's network namespace not verified to be its sandbox's, nothing done).",
 	}, []string{"action", "result"})}
 	if reg != nil {
 		if err := reg.Register(m.Repairs); err != nil {
@@ -114,6 +126,11 @@ type Options struct {
 	Netns Netns
 	// Apply writes rules (default engine.Apply).
 	Apply ApplyFunc
+	// Evictor evicts pods (ActionEvict; pkg/heal, shared with the audit).
+	Evictor *heal.Evictor
+	// Decisions, when set: a pod whose sandbox's ADD skipped it is never acted on
+	// (its current annotations disagree with its ADD): reported once.
+	Decisions Decisions
 	// ReadyToDelete, when set, must return nil before a pod is deleted: the agent's
 	// plugin installed, so the recreated pod gets its redirect at ADD.
 	ReadyToDelete func() error
@@ -156,7 +173,7 @@ func New(o Options) (*Controller, error) {
 		}
 	}
 	if o.Netns == nil {
-		o.Netns = &podnetns.Finder{}
+		o.Netns = &podnetns.Locator{}
 	}
 	if o.Apply == nil {
 		o.Apply = engine.Apply
@@ -177,7 +194,7 @@ func New(o Options) (*Controller, error) {
 		}
 		o.Metrics = m
 	}
-	for _, r := range []string{resultSuccess, resultError} {
+	for _, r := range []string{resultSuccess, resultError, resultRefused} {
 		o.Metrics.Repairs.WithLabelValues(string(o.Policy.Action), r)
 	}
 	c := &Controller{
@@ -333,6 +350,18 @@ func (c *Controller) markDone(pod *corev1.Pod, d Decision, repaired time.Time) {
 // (a stale cached pod, the plugin not installed yet).
 type errRetry struct{ error }
 
+// errRefused is a condition under which acting could hurt another pod (its
+// namespace is not verified to be its sandbox's): reported once, not retried.
+type errRefused struct{ error }
+
+// refused wraps the netns errors that forbid acting.
+func refused(err error) error {
+	if errors.Is(err, podnetns.ErrGone) || errors.Is(err, podnetns.ErrMismatch) || errors.Is(err, podnetns.ErrAmbiguous) {
+		return errRefused{err}
+	}
+	return err
+}
+
 func (c *Controller) process(ctx context.Context, key string) {
 	ns, name, err := cache.SplitMetaNamespaceKey(key)
 	if err != nil {
@@ -365,8 +394,9 @@ func (c *Controller) process(ctx context.Context, key string) {
 		return
 	}
 	start := time.Now()
-	detail, err := c.act(ctx, pod, d)
+	detail, err := c.actOnDecided(ctx, pod, d)
 	var retry errRetry
+	var refuse errRefused
 	switch {
 	case err == nil:
 		c.queue.Forget(key)
@@ -382,6 +412,12 @@ func (c *Controller) process(ctx context.Context, key string) {
 	case errors.As(err, &retry):
 		log.Debug(LogRetryLater, "action", d.Action, "reason", retry.Error())
 		c.queue.AddAfter(key, retryAfter)
+	case errors.As(err, &refuse):
+		c.queue.Forget(key)
+		c.markDone(pod, d, time.Time{})
+		c.o.Metrics.Repairs.WithLabelValues(string(d.Action), resultRefused).Inc()
+		c.o.Events.Event(pod, corev1.EventTypeWarning, ReasonRefused, "meshcni: "+refuse.Error()+"; nothing was changed or deleted")
+		log.Warn(LogRefused, "action", d.Action, "result", resultRefused, "reason", d.Reason, "err", refuse.error)
 	case ctx.Err() != nil:
 	default:
 		c.o.Metrics.Repairs.WithLabelValues(string(d.Action), resultError).Inc()
@@ -402,7 +438,7 @@ func (c *Controller) process(ctx context.Context, key string) {
 
 func successReason(a Action) string {
 	switch a {
-	case ActionDelete:
+	case ActionEvict:
 		return ReasonDeleted
 	case ActionLabel:
 		return ReasonLabeled
@@ -412,12 +448,22 @@ func successReason(a Action) string {
 
 func verb(a Action) string {
 	switch a {
-	case ActionDelete:
-		return "delete"
+	case ActionEvict:
+		return "evict"
 	case ActionLabel:
 		return "label"
 	}
 	return "repair in place"
+}
+
+// actOnDecided refuses a pod its sandbox's ADD skipped, else acts.
+func (c *Controller) actOnDecided(ctx context.Context, pod *corev1.Pod, d Decision) (string, error) {
+	if c.o.Decisions != nil {
+		if rec, why := c.o.Decisions.Decided(pod); rec == sandboxstate.Skipped {
+			return "", errRefused{fmt.Errorf("the pod's sandbox's ADD skipped it (%s); its annotations changed since: not acting on them", why)}
+		}
+	}
+	return c.act(ctx, pod, d)
 }
 
 // act runs the decided action and returns the success message.
@@ -431,25 +477,26 @@ func (c *Controller) act(ctx context.Context, pod *corev1.Pod, d Decision) (stri
 		}
 		return fmt.Sprintf("meshcni applied the traffic redirect in place after %s (backend %s, netns %s); the next run of %s passes",
 			why, kind, netns, d.Failure.Container), nil
-	case ActionDelete:
+	case ActionEvict:
 		if c.o.ReadyToDelete != nil {
 			if err := c.o.ReadyToDelete(); err != nil {
 				return "", errRetry{fmt.Errorf("plugin not installed yet: %w", err)}
 			}
 		}
-		uid, rv := pod.UID, pod.ResourceVersion
-		err := c.o.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
-			Preconditions: &metav1.Preconditions{UID: &uid, ResourceVersion: &rv},
-		})
+		if c.o.Evictor == nil {
+			return "", errors.New("not evicting: no eviction path configured")
+		}
+		err := c.o.Evictor.Evict(ctx, pod)
+		if r, ok := heal.IsRefused(err); ok {
+			return "", errRefused{r}
+		}
 		switch {
 		case apierrors.IsConflict(err):
-			return "", errRetry{fmt.Errorf("stale pod (resourceVersion %s): %w", rv, err)}
-		case apierrors.IsNotFound(err):
-			return "pod already gone", nil
+			return "", errRetry{fmt.Errorf("stale pod (resourceVersion %s): %w", pod.ResourceVersion, err)}
 		case err != nil:
-			return "", fmt.Errorf("delete: %w", err)
+			return "", err
 		}
-		return fmt.Sprintf("meshcni deleted the pod after %s (the traffic redirect was missing); its controller recreates it with the redirect", why), nil
+		return fmt.Sprintf("meshcni evicted the pod after %s (the traffic redirect was missing); its controller recreates it with the redirect", why), nil
 	case ActionLabel:
 		// The UID and the resourceVersion the decision was made from: the API server
 		// refuses the patch (Conflict) when the pod is a namesake recreated meanwhile
@@ -477,10 +524,11 @@ func (c *Controller) act(ctx context.Context, pod *corev1.Pod, d Decision) (stri
 	return "", fmt.Errorf("unknown action %q", d.Action)
 }
 
-// repairInPlace finds the pod's netns and applies its redirect there, through the
-// namespace's open handle: the namespace found and verified is the one written, even
-// if the path it was found through leads elsewhere meanwhile (a PID reused). Several
-// namespaces holding the pod's addresses are an error: neither is repaired.
+// repairInPlace locates the pod's netns by its sandbox and applies its redirect
+// there, through the namespace's open handle: the namespace found and verified is
+// the one written, even if the path it was found through leads elsewhere meanwhile
+// (a PID reused). A namespace not verified to be the pod's sandbox's (gone,
+// another, several) is refused: nothing is written.
 func (c *Controller) repairInPlace(ctx context.Context, pod *corev1.Pod) (string, backend.Kind, error) {
 	ips, err := podnetns.PodIPs(pod)
 	if err != nil {
@@ -496,9 +544,9 @@ func (c *Controller) repairInPlace(ctx context.Context, pod *corev1.Pod) (string
 	for _, w := range res.Warnings {
 		c.o.Log.Warn(w, "pod_namespace", pod.Namespace, "pod_name", pod.Name)
 	}
-	h, err := c.o.Netns.FindPod(ctx, pod)
+	h, err := c.o.Netns.Locate(ctx, pod)
 	if err != nil {
-		return "", "", fmt.Errorf("find the pod's network namespace: %w", err)
+		return "", "", refused(fmt.Errorf("locate the pod's network namespace: %w", err))
 	}
 	defer h.Close()
 	kind, err := c.o.Apply(ctx, engine.Options{Backend: c.o.Backend, NetnsPath: h.NetnsPath(), Logger: c.o.Log}, res.Spec)

@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
@@ -28,6 +29,7 @@ import (
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
+	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/podnetns"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -42,7 +44,7 @@ type fakeNetns struct {
 
 func newFakeNetns() fakeNetns { return fakeNetns{handles: &[]*podnetns.Handle{}, mu: &sync.Mutex{}} }
 
-func (f fakeNetns) FindPod(_ context.Context, pod *corev1.Pod) (*podnetns.Handle, error) {
+func (f fakeNetns) Locate(_ context.Context, pod *corev1.Pod) (*podnetns.Handle, error) {
 	if f.err != nil {
 		return nil, f.err
 	}
@@ -129,6 +131,8 @@ func start(t *testing.T, action Action, mut func(*Options, *fake.Clientset), pod
 		Netns: h.netns, Apply: h.apply.apply, Metrics: h.m, MaxAttempts: 2,
 		Log: slog.New(recording{out: slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}), recs: h.logs}),
 	}
+	hm, _ := heal.NewMetrics(nil)
+	o.Evictor = &heal.Evictor{Client: cs, Budget: heal.NewBudget(heal.Limits{}), Meshed: func() int { return 100 }, Metrics: hm, Log: o.Log}
 	if mut != nil {
 		mut(&o, cs) // before anything runs
 	}
@@ -285,7 +289,7 @@ func TestControllerRepairOncePerFailedRun(t *testing.T) {
 		t.Fatalf("%d applies", n)
 	}
 	o, s := h.apply.calls[0], h.apply.specs[0]
-	// Applied through the handle FindPod returned (/proc/self/fd/N, the namespace
+	// Applied through the handle Locate returned (/proc/self/fd/N, the namespace
 	// found), not through the path it was found by; the handle closed after.
 	if !strings.HasPrefix(o.NetnsPath, "/proc/self/fd/") || h.apply.inodes[0] != inode("/proc/self/ns/net") || o.Backend != backend.Nftables || !s.EnableIPv4 || s.EnableIPv6 {
 		t.Fatalf("apply options %+v (netns inode %d, want %d), spec v4=%v v6=%v", o, h.apply.inodes[0], inode("/proc/self/ns/net"), s.EnableIPv4, s.EnableIPv6)
@@ -356,13 +360,17 @@ func TestControllerDeleteWaitsForPluginAndUsesPreconditions(t *testing.T) {
 	pod := brokenPod()
 	pod.ResourceVersion = "7"
 	var pre *metav1.Preconditions
-	h := start(t, ActionDelete, func(o *Options, cs *fake.Clientset) {
+	h := start(t, ActionEvict, func(o *Options, cs *fake.Clientset) {
 		o.ReadyToDelete = func() error { mu.Lock(); defer mu.Unlock(); return ready }
-		cs.PrependReactor("delete", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		cs.PrependReactor("create", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
+			if a.GetSubresource() != "eviction" {
+				return false, nil, nil
+			}
 			mu.Lock()
 			defer mu.Unlock()
-			pre = a.(k8stesting.DeleteActionImpl).DeleteOptions.Preconditions
-			return false, nil, nil
+			ev := a.(k8stesting.CreateAction).GetObject().(*policyv1.Eviction)
+			pre = ev.DeleteOptions.Preconditions
+			return true, nil, cs.Tracker().Delete(corev1.SchemeGroupVersion.WithResource("pods"), ev.Namespace, ev.Name)
 		})
 	}, pod)
 	h.judged(t, 0, LogRetryLater, "uid-1", nil) // not ready: waits
@@ -381,7 +389,7 @@ func TestControllerDeleteWaitsForPluginAndUsesPreconditions(t *testing.T) {
 	if _, err := h.client.CoreV1().Pods("app").Get(context.Background(), "web", metav1.GetOptions{}); err == nil {
 		t.Fatal("pod not deleted")
 	}
-	if h.count(ActionDelete, resultSuccess) != 1 {
+	if h.count(ActionEvict, resultSuccess) != 1 {
 		t.Fatal("metric")
 	}
 }
@@ -417,7 +425,7 @@ func TestControllerLeavesOthersAlone(t *testing.T) {
 	other.Status.InitContainerStatuses[0].State.Terminated.ExitCode = 1
 	elsewhere := brokenPod()
 	elsewhere.Name, elsewhere.UID, elsewhere.Spec.NodeName = "elsewhere", "uid-6", "node-b"
-	h := start(t, ActionDelete, nil, healthy, plain, excluded, other, elsewhere)
+	h := start(t, ActionEvict, nil, healthy, plain, excluded, other, elsewhere)
 	// Each judged: not broken (the cheap test) or nothing to do (Decide).
 	for _, uid := range []string{"uid-2", "uid-3", "uid-4", "uid-5", "uid-6"} {
 		eventually(t, "controller judged pod "+uid, func() bool {
@@ -429,7 +437,7 @@ func TestControllerLeavesOthersAlone(t *testing.T) {
 	if err != nil || len(l.Items) != 5 {
 		t.Fatalf("pods %d, err %v", len(l.Items), err)
 	}
-	if h.count(ActionDelete, resultSuccess)+h.count(ActionDelete, resultError) != 0 {
+	if h.count(ActionEvict, resultSuccess)+h.count(ActionEvict, resultError) != 0 {
 		t.Fatal("metrics")
 	}
 }
@@ -456,11 +464,14 @@ func TestControllerForgetsDeletedPods(t *testing.T) {
 		// the reactor deletes the pod and returns only once forget has run.
 		var c atomic.Pointer[Controller]
 		started := make(chan struct{})
-		h := start(t, ActionDelete, func(_ *Options, cs *fake.Clientset) {
-			cs.PrependReactor("delete", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		h := start(t, ActionEvict, func(_ *Options, cs *fake.Clientset) {
+			cs.PrependReactor("create", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
+				if a.GetSubresource() != "eviction" {
+					return false, nil, nil
+				}
 				<-started
-				d := a.(k8stesting.DeleteActionImpl)
-				if err := cs.Tracker().Delete(d.GetResource(), d.GetNamespace(), d.GetName()); err != nil {
+				ev := a.(k8stesting.CreateAction).GetObject().(*policyv1.Eviction)
+				if err := cs.Tracker().Delete(corev1.SchemeGroupVersion.WithResource("pods"), ev.Namespace, ev.Name); err != nil {
 					return true, nil, err
 				}
 				for deadline := time.Now().Add(5 * time.Second); c.Load().tracked() != 0; time.Sleep(time.Millisecond) {

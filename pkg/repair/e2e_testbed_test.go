@@ -314,6 +314,9 @@ func startAgent(t testing.TB, tb *testbed.Testbed, bin string, action repair.Act
 		"--node-name", testbed.NodeName, "--health-addr", "127.0.0.1:0",
 		"--exclude-namespaces", "kube-system," + excludedNS + "," + excludedDelNS,
 		"--repair-action", string(action), "--repair-netns-dirs", testbedNetnsDir,
+		// The eviction test evicts a whole ReplicaSet: a budget that allows it (the
+		// budget and its breaker are proven in pkg/heal).
+		"--heal-max-evictions", "100", "--heal-max-evict-fraction", "1",
 	}, func(string) string { return "" }, os.Stderr)
 	if err != nil {
 		t.Fatal(err)
@@ -749,7 +752,7 @@ func TestRaceDelete(t *testing.T) {
 	}
 	before := others.wait(t, ctx, tb)
 
-	a := startAgent(t, tb, bin, repair.ActionDelete)
+	a := startAgent(t, tb, bin, repair.ActionEvict)
 	ready := a.watching(t, ctx)
 	for _, p := range orig {
 		waitFor(t, ctx, 30*time.Second, p.Name+" deleted", func() (bool, error) {
@@ -784,8 +787,8 @@ func TestRaceDelete(t *testing.T) {
 		}
 	}
 	t.Logf("delete: %d replacement pods Running and redirected %s after the agent was ready", n, time.Since(ready).Round(time.Millisecond))
-	if got := a.repairCount(t, "delete", "success"); got != n {
-		t.Errorf("meshcni_repairs_total{action=delete,result=success} = %v, want %d", got, n)
+	if got := a.repairCount(t, "evict", "success"); got != n {
+		t.Errorf("meshcni_repairs_total{action=evict,result=success} = %v, want %d", got, n)
 	}
 	for _, p := range before {
 		untouched(t, ctx, tb, a, p)

@@ -7,8 +7,10 @@
 //     none when several hold the pod's addresses), hold it open and apply the pod's
 //     redirect there (pkg/capture, pkg/engine), so the next restart of the init
 //     container passes; nothing is deleted;
-//   - delete: delete the pod (UID and resourceVersion preconditions) so its
-//     controller recreates it, this time through meshcni's plugin;
+//   - evict (opt-in): evict the pod (pkg/heal: the Eviction API with UID and
+//     resourceVersion preconditions, PodDisruptionBudgets, never a bare or mirror
+//     pod, the node's budget and circuit breaker) so its controller recreates it,
+//     this time through meshcni's plugin;
 //   - label: label the pod (cni.istio.io/uninitialized=true) for operators.
 //
 // The decision (Decide) is pure; the Controller runs it over the node's pod cache
@@ -32,29 +34,32 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/capture/k8spod"
+	"github.com/meshcni/meshcni/pkg/heal"
 )
 
-// Action is what the controller does to a broken pod.
-type Action string
+// Action is what the controller does to a broken pod (the agent's healing
+// actions, pkg/heal).
+type Action = heal.Action
 
 // The actions, in order of preference: repair in place first, delete, label last.
 const (
-	ActionRepair Action = "repair"
-	ActionDelete Action = "delete"
-	ActionLabel  Action = "label"
+	ActionRepair = heal.Repair
+	ActionEvict  = heal.Evict
+	ActionLabel  = heal.Label
+	// ActionDelete is the name "delete" is accepted under: evict.
+	ActionDelete = heal.Evict
 )
 
 // Actions lists the valid actions.
-var Actions = []Action{ActionRepair, ActionDelete, ActionLabel}
+var Actions = []Action{ActionRepair, ActionEvict, ActionLabel}
 
-// ParseAction parses an action name.
+// ParseAction parses an action name (delete is evict).
 func ParseAction(s string) (Action, error) {
-	for _, a := range Actions {
-		if strings.TrimSpace(s) == string(a) {
-			return a, nil
-		}
+	a, err := heal.ParseAction(s, Actions...)
+	if err != nil {
+		return "", fmt.Errorf("repair action: %w", err)
 	}
-	return "", fmt.Errorf("unknown repair action %q: want repair, delete or label", s)
+	return a, nil
 }
 
 // Defaults of the settings (Istio's names and exit code).
@@ -203,7 +208,7 @@ func Decide(pod *corev1.Pod, p Policy) Decision {
 	switch p.Action {
 	case ActionRepair:
 		if pod.Status.Phase == corev1.PodFailed || pod.Status.Phase == corev1.PodSucceeded {
-			return skip("pod is %s: its init container will not run again (the delete action recreates controlled pods)", pod.Status.Phase)
+			return skip("pod is %s: its init container will not run again (the evict action recreates controlled pods)", pod.Status.Phase)
 		}
 		run := f.ContainerID
 		if run == "" {
@@ -214,7 +219,7 @@ func Decide(pod *corev1.Pod, p Policy) Decision {
 		if pod.Labels[p.LabelKey] == LabelValue {
 			return skip("already labelled %s=%s", p.LabelKey, LabelValue)
 		}
-	case ActionDelete:
+	case ActionEvict:
 	default:
 		return skip("unknown action %q", p.Action)
 	}

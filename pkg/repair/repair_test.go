@@ -20,7 +20,8 @@ func brokenPod() *corev1.Pod {
 	return &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{
 			Namespace: "app", Name: "web", UID: "uid-1", Labels: map[string]string{"app": "web"},
-			Annotations: map[string]string{capture.AnnotationStatus: `{"containers":["istio-proxy"]}`},
+			OwnerReferences: []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: "web-1", UID: "rs-1", Controller: ptr(true)}},
+			Annotations:     map[string]string{capture.AnnotationStatus: `{"containers":["istio-proxy"]}`},
 		},
 		Spec: corev1.PodSpec{
 			NodeName:       node,
@@ -136,27 +137,27 @@ func TestDecide(t *testing.T) {
 		{name: "repair without container ID keys by finish time", action: ActionRepair, act: true, key: "uid-1/100000000000", mut: func(p *corev1.Pod) {
 			p.Status.InitContainerStatuses[0].State.Terminated.ContainerID = ""
 		}},
-		{name: "delete", action: ActionDelete, act: true, key: "uid-1"},
+		{name: "delete", action: ActionEvict, act: true, key: "uid-1"},
 		{name: "label", action: ActionLabel, act: true, key: "uid-1"},
 		{name: "label: already labelled", action: ActionLabel, why: "already labelled", mut: func(p *corev1.Pod) { p.Labels[DefaultLabelKey] = "true" }},
 		{name: "label: other value is relabelled", action: ActionLabel, act: true, key: "uid-1", mut: func(p *corev1.Pod) { p.Labels[DefaultLabelKey] = "false" }},
 		{name: "repair: failed pod", action: ActionRepair, why: "will not run again", mut: func(p *corev1.Pod) { p.Status.Phase = corev1.PodFailed }},
-		{name: "delete: failed pod", action: ActionDelete, act: true, key: "uid-1", mut: func(p *corev1.Pod) { p.Status.Phase = corev1.PodFailed }},
-		{name: "other node", action: ActionDelete, why: "node", mut: func(p *corev1.Pod) { p.Spec.NodeName = "node-b" }},
-		{name: "excluded namespace", action: ActionDelete, why: "namespace app is excluded", pol: func(p *Policy) { p.Mesh.ExcludeNamespaces = []string{"kube-system", "app"} }},
+		{name: "delete: failed pod", action: ActionEvict, act: true, key: "uid-1", mut: func(p *corev1.Pod) { p.Status.Phase = corev1.PodFailed }},
+		{name: "other node", action: ActionEvict, why: "node", mut: func(p *corev1.Pod) { p.Spec.NodeName = "node-b" }},
+		{name: "excluded namespace", action: ActionEvict, why: "namespace app is excluded", pol: func(p *Policy) { p.Mesh.ExcludeNamespaces = []string{"kube-system", "app"} }},
 		{name: "inject=false", action: ActionRepair, why: "not meshed", mut: func(p *corev1.Pod) { p.Labels[capture.AnnotationInject] = "false" }},
 		{name: "no istio-proxy", action: ActionRepair, why: "not meshed", mut: func(p *corev1.Pod) { p.Spec.Containers = p.Spec.Containers[:1] }},
-		{name: "has istio-init", action: ActionDelete, why: "not meshed", mut: func(p *corev1.Pod) {
+		{name: "has istio-init", action: ActionEvict, why: "not meshed", mut: func(p *corev1.Pod) {
 			p.Spec.InitContainers = append(p.Spec.InitContainers, corev1.Container{Name: capture.InitContainer})
 		}},
-		{name: "host network", action: ActionDelete, why: "host network", mut: func(p *corev1.Pod) { p.Spec.HostNetwork = true }},
-		{name: "healthy", action: ActionDelete, why: "completed", mut: func(p *corev1.Pod) {
+		{name: "host network", action: ActionEvict, why: "host network", mut: func(p *corev1.Pod) { p.Spec.HostNetwork = true }},
+		{name: "healthy", action: ActionEvict, why: "completed", mut: func(p *corev1.Pod) {
 			p.Status.InitContainerStatuses[0].State.Terminated.ExitCode = 0
 		}},
-		{name: "label selector matches", action: ActionDelete, act: true, key: "uid-1", pol: func(p *Policy) { p.LabelSelector = mustLabels }},
-		{name: "label selector leaves out", action: ActionDelete, why: "labels not selected", pol: func(p *Policy) { p.LabelSelector = otherLabels }},
-		{name: "field selector matches", action: ActionDelete, act: true, key: "uid-1", pol: func(p *Policy) { p.FieldSelector = mustFields }},
-		{name: "field selector leaves out", action: ActionDelete, why: "fields not selected", pol: func(p *Policy) { p.FieldSelector = otherFields }},
+		{name: "label selector matches", action: ActionEvict, act: true, key: "uid-1", pol: func(p *Policy) { p.LabelSelector = mustLabels }},
+		{name: "label selector leaves out", action: ActionEvict, why: "labels not selected", pol: func(p *Policy) { p.LabelSelector = otherLabels }},
+		{name: "field selector matches", action: ActionEvict, act: true, key: "uid-1", pol: func(p *Policy) { p.FieldSelector = mustFields }},
+		{name: "field selector leaves out", action: ActionEvict, why: "fields not selected", pol: func(p *Policy) { p.FieldSelector = otherFields }},
 		{name: "unknown action", action: "reboot", why: "unknown action"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -193,7 +194,7 @@ func TestParse(t *testing.T) {
 		{"action repair", err2(ParseAction("repair")), ""},
 		{"action delete", err2(ParseAction("delete")), ""},
 		{"action label", err2(ParseAction("label")), ""},
-		{"action bad", err2(ParseAction("restart")), `unknown repair action "restart"`},
+		{"action bad", err2(ParseAction("restart")), `repair action: unknown action "restart"`},
 		{"label key", err2(ParseLabelKey("cni.istio.io/uninitialized")), ""},
 		{"label key bad", err2(ParseLabelKey("a b")), `label key "a b"`},
 		{"label key empty", err2(ParseLabelKey("")), `label key ""`},

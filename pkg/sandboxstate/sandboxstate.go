@@ -1,7 +1,8 @@
 // Package sandboxstate is the node agent's memory of each pod sandbox across its
-// own restarts: what it learned at the sandbox's CNI ADD (the redirect spec the pod
-// was given, the network namespace's cookie and the eBPF mode it enabled), one
-// small JSON file per sandbox in a directory of the agent's run directory.
+// own restarts: what it learned at the sandbox's CNI ADD (the pod, what the ADD
+// decided and why, the network namespace's identity, the redirect spec the pod was
+// given, the eBPF mode it enabled), one small JSON file per sandbox in a directory
+// of the agent's run directory.
 //
 // The store is keyed by the sandbox (CNI_CONTAINERID). Each change is written to
 // a temporary file and renamed over the sandbox's file (mode 0600), so a crash
@@ -40,7 +41,29 @@ const (
 	MaxFileSize = 256 << 10
 	// MaxIDLength bounds a sandbox ID.
 	MaxIDLength = 256
+	// MaxReasonLength bounds an entry's Reason; a longer one is cut.
+	MaxReasonLength = 1024
 )
+
+// Decision is what a sandbox's ADD decided about its pod.
+type Decision string
+
+// The decisions ("" : unknown, an entry written without one).
+const (
+	Meshed  Decision = "meshed"  // the redirect was applied
+	Skipped Decision = "skipped" // the pod was left alone (Entry.Reason says why)
+)
+
+// Netns identifies a sandbox's network namespace as the plugin read it from
+// CNI_NETNS at ADD. Inode and Dev are the namespace file's (an inode number can be
+// reused once the namespace is freed); Cookie is its SO_NETNS_COOKIE, never reused
+// while the host runs (0: unknown, a kernel older than 5.14).
+type Netns struct {
+	Path   string `json:"path,omitempty"`
+	Dev    uint64 `json:"dev"`
+	Inode  uint64 `json:"inode"`
+	Cookie uint64 `json:"cookie,omitempty"`
+}
 
 const suffix = ".json"
 
@@ -57,6 +80,11 @@ type Entry struct {
 	Namespace string `json:"namespace,omitempty"`
 	Name      string `json:"name,omitempty"`
 	UID       string `json:"uid,omitempty"`
+	// Decision is what the sandbox's ADD decided, Reason why (the plugin's words).
+	Decision Decision `json:"decision,omitempty"`
+	Reason   string   `json:"reason,omitempty"`
+	// Netns is the sandbox's network namespace (nil: unknown).
+	Netns *Netns `json:"netns,omitempty"`
 	// Spec is the redirect spec the pod's sandbox was given (nil: unknown).
 	Spec *spec.Spec `json:"spec,omitempty"`
 	// NetnsCookie is the sandbox netns's cookie the agent put on the eBPF
@@ -159,7 +187,27 @@ func readEntry(path string) (Entry, error) {
 	if e.V != Version {
 		return Entry{}, fmt.Errorf("format version %d, want %d", e.V, Version)
 	}
+	if err := e.check(); err != nil {
+		return Entry{}, fmt.Errorf("foreign: %w", err)
+	}
 	return e, nil
+}
+
+// check rejects an entry no agent writes: an unknown decision, a netns without
+// an inode, an over-long reason.
+func (e *Entry) check() error {
+	switch e.Decision {
+	case "", Meshed, Skipped:
+	default:
+		return fmt.Errorf("decision %q: want %s or %s", e.Decision, Meshed, Skipped)
+	}
+	if e.Netns != nil && e.Netns.Inode == 0 {
+		return errors.New("netns without an inode")
+	}
+	if len(e.Reason) > MaxReasonLength {
+		return fmt.Errorf("reason of %d bytes: want at most %d", len(e.Reason), MaxReasonLength)
+	}
+	return nil
 }
 
 // Skipped lists the files Open could not use, each with its reason.
@@ -205,6 +253,12 @@ func (s *Store) Update(id string, f func(*Entry)) error {
 	e = e.clone()
 	f(&e)
 	e.V, e.ID, e.Updated = Version, id, s.now().UTC()
+	if len(e.Reason) > MaxReasonLength {
+		e.Reason = strings.ToValidUTF8(e.Reason[:MaxReasonLength], "")
+	}
+	if err := e.check(); err != nil {
+		return fmt.Errorf("sandbox %s: %w", id, err)
+	}
 	b, err := json.Marshal(e)
 	if err != nil {
 		return fmt.Errorf("sandbox %s: encode: %w", id, err)
@@ -300,8 +354,12 @@ func (s *Store) GC(keep func(Entry) bool) ([]Entry, error) {
 
 func (s *Store) path(id string) string { return filepath.Join(s.dir, id+suffix) }
 
-// clone copies the entry, its spec deeply (callers may change what they get).
+// clone copies the entry, its netns and spec deeply (callers may change what they get).
 func (e Entry) clone() Entry {
+	if e.Netns != nil {
+		n := *e.Netns
+		e.Netns = &n
+	}
 	if e.Spec != nil {
 		var c spec.Spec
 		b, err := json.Marshal(e.Spec)

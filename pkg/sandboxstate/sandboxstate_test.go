@@ -42,9 +42,12 @@ func TestRoundTrip(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "sandboxes")
 	at := time.Date(2026, 12, 2, 0, 0, 0, 0, time.UTC)
 	s := open(t, dir, sandboxstate.Options{Now: func() time.Time { return at }})
-	want := sandboxstate.Entry{V: sandboxstate.Version, ID: "0123abcd", Namespace: "app", Name: "web", UID: "u1", Spec: podSpec(), NetnsCookie: 4097, EBPFMode: "both", Updated: at}
+	netns := &sandboxstate.Netns{Path: "/var/run/netns/cni-1", Dev: 4, Inode: 4026532712, Cookie: 4097}
+	want := sandboxstate.Entry{V: sandboxstate.Version, ID: "0123abcd", Namespace: "app", Name: "web", UID: "u1",
+		Decision: sandboxstate.Meshed, Reason: "injected", Netns: netns, Spec: podSpec(), NetnsCookie: 4097, EBPFMode: "both", Updated: at}
 	if err := s.Update("0123abcd", func(e *sandboxstate.Entry) {
 		e.Namespace, e.Name, e.UID, e.Spec = "app", "web", "u1", podSpec()
+		e.Decision, e.Reason, e.Netns = sandboxstate.Meshed, "injected", &sandboxstate.Netns{Path: "/var/run/netns/cni-1", Dev: 4, Inode: 4026532712, Cookie: 4097}
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -65,8 +68,12 @@ func TestRoundTrip(t *testing.T) {
 		t.Errorf("skipped %v", again.Skipped())
 	}
 	got.Spec.InboundPorts.Ports[0] = 1 // a copy: the store keeps its own
-	if e, _ := again.Get("0123abcd"); e.Spec.InboundPorts.Ports[0] != 8080 {
-		t.Error("Get returned the store's own spec")
+	got.Netns.Inode = 1
+	if e, _ := again.Get("0123abcd"); e.Spec.InboundPorts.Ports[0] != 8080 || e.Netns.Inode != 4026532712 {
+		t.Error("Get returned the store's own spec or netns")
+	}
+	if err := again.Update("0123abcd", func(e *sandboxstate.Entry) { e.Decision = "maybe" }); err == nil {
+		t.Error("an unknown decision was written")
 	}
 	if err := again.Delete("0123abcd"); err != nil {
 		t.Fatal(err)
@@ -108,6 +115,9 @@ func TestOpenSkips(t *testing.T) {
 		{"bad id", "a b.json", good, "not a sandbox state file"},
 		{"too large", "big.json", `{"v":1,"id":"big","name":"` + strings.Repeat("x", sandboxstate.MaxFileSize) + `"}`, "larger than"},
 		{"crash leftover", ".good.json.tmp-123", "{", "-"},
+		{"foreign decision", "bad6.json", `{"v":1,"id":"bad6","decision":"evicted"}`, `foreign: decision "evicted"`},
+		{"netns without inode", "bad7.json", `{"v":1,"id":"bad7","netns":{"dev":4}}`, "foreign: netns without an inode"},
+		{"reason too long", "bad8.json", `{"v":1,"id":"bad8","reason":"` + strings.Repeat("x", sandboxstate.MaxReasonLength+1) + `"}`, "foreign: reason of"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			dir := t.TempDir()

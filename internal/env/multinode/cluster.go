@@ -63,6 +63,8 @@ affinity:
       nodeSelectorTerms:
         - matchExpressions:
             - {key: ` + UnmeshedLabel + `, operator: DoesNotExist}
+audit:
+  period: 10s
 taintController:
   hostNetwork: false
   nodeSelectorLabels: "kubernetes.io/os=linux,!` + UnmeshedLabel + `"

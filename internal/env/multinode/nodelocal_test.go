@@ -15,6 +15,7 @@ import (
 	"github.com/meshcni/meshcni/internal/env/demo"
 	"github.com/meshcni/meshcni/internal/env/multinode"
 	"github.com/meshcni/meshcni/internal/env/testbed"
+	"github.com/meshcni/meshcni/pkg/audit"
 	"github.com/meshcni/meshcni/pkg/redirectprobe"
 	"github.com/meshcni/meshcni/pkg/repair"
 )
@@ -36,11 +37,14 @@ var actionCounters = []string{"meshcni_repairs_total", "meshcni_drift_detected_t
 // their repair and audit counters do not move while B's repair counter moves by
 // one (each agent the same process throughout), their logs never name the pod while
 // B's names it, and every Event the agents wrote about the pod is reported by
-// meshcni-agent on node B (source.host and reportingInstance).
+// meshcni-agent on node B (source.host and reportingInstance). The other nodes are
+// judged only after one whole audit period (its longest, jitter included) since the
+// pod was created, each of their agents having finished an audit round meanwhile: an
+// agent auditing pods beyond its node would have met the pod by then.
 func TestNodeLocalScope(t *testing.T) {
 	c := cluster(t)
 	tb := c.TB
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	nodes := tb.Nodes()
 	if len(nodes) < 2 {
@@ -101,6 +105,10 @@ func TestNodeLocalScope(t *testing.T) {
 	if _, err := tb.CreatePod(ctx, raced); err != nil {
 		t.Fatal(err)
 	}
+	racedAt, rounds := time.Now(), map[string]counters{}
+	for _, n := range others {
+		rounds[n.Name] = scrapeCounters(ctx, t, c, n.Name, auditRounds)
+	}
 	pollUntil(ctx, t, time.Minute, "istio-validation of raced to exit 126 on "+b.Name, func() error {
 		p := getPod(ctx, t, tb, ns, raced.Name)
 		if _, exit := validationRuns(p); exit != redirectprobe.ExitCode {
@@ -159,6 +167,7 @@ func TestNodeLocalScope(t *testing.T) {
 
 	checkAgentEvents(ctx, t, tb, p, b.Name)
 
+	waitAuditRound(ctx, t, c, agents, others, racedAt, rounds)
 	now := agentsByNode(ctx, t, c)
 	for _, n := range nodes {
 		if now[n.Name].UID != agents[n.Name].UID || restartsOf(now[n.Name]) != restartsOf(agents[n.Name]) {
@@ -195,6 +204,61 @@ func TestNodeLocalScope(t *testing.T) {
 	}
 	t.Logf("%s on %s: %v → %v; on %d other node(s) every repair and audit counter unchanged, no log line naming the pod",
 		repaired, b.Name, before[b.Name][repaired], after[repaired], len(others))
+}
+
+// auditRounds is the agents' counter of finished audit rounds.
+const auditRounds = "meshcni_audit_rounds_total"
+
+// waitAuditRound waits until one audit period of the nodes' agents (its longest:
+// +audit.Jitter) has passed since since, so that each has started a round after it,
+// and then until each has finished a round since rounds were read.
+func waitAuditRound(ctx context.Context, t *testing.T, c *multinode.Cluster, agents map[string]*corev1.Pod, nodes []*testbed.Node, since time.Time, rounds map[string]counters) {
+	t.Helper()
+	var longest time.Duration
+	for _, n := range nodes {
+		longest = max(longest, auditPeriod(t, agents[n.Name]))
+	}
+	longest = time.Duration(float64(longest) * (1 + audit.Jitter))
+	if d := time.Until(since.Add(longest)); d > 0 {
+		t.Logf("waiting %v: one audit period (%v at its longest) since raced was created", d.Round(time.Millisecond), longest)
+		select {
+		case <-ctx.Done():
+			t.Fatalf("waiting for an audit period: %v", ctx.Err())
+		case <-time.After(d):
+		}
+	}
+	key := auditRounds + "{}"
+	for _, n := range nodes {
+		pollUntil(ctx, t, longest, "an audit round finished on "+n.Name+" since raced was created", func() error {
+			if got, was := scrapeCounters(ctx, t, c, n.Name, auditRounds)[key], rounds[n.Name][key]; got <= was {
+				return fmt.Errorf("%s %v, %v when raced was created", auditRounds, got, was)
+			}
+			return nil
+		})
+	}
+}
+
+// auditPeriod is the audit period the agent pod runs with (MESHCNI_AUDIT_PERIOD, else
+// the agent's default); an agent with the audit off fails the test.
+func auditPeriod(t *testing.T, agent *corev1.Pod) time.Duration {
+	t.Helper()
+	period := audit.DefaultPeriod
+	for _, ctr := range agent.Spec.Containers {
+		for _, e := range ctr.Env {
+			if e.Name != "MESHCNI_AUDIT_PERIOD" {
+				continue
+			}
+			d, err := time.ParseDuration(e.Value)
+			if err != nil {
+				t.Fatalf("agent pod %s: MESHCNI_AUDIT_PERIOD %q: %v", agent.Name, e.Value, err)
+			}
+			period = d
+		}
+	}
+	if period <= 0 {
+		t.Fatalf("agent pod %s on %s runs with the audit off: the proof needs it on", agent.Name, agent.Spec.NodeName)
+	}
+	return period
 }
 
 // restoreChain waits for the agent to have put meshcni back into file; if it has

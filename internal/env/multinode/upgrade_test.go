@@ -3,6 +3,7 @@ package multinode_test
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -24,6 +25,14 @@ const upgradeTag = image.DefaultTag + "-upgrade"
 // its old agent pod was terminating or gone to the first moment a new one was
 // Ready.
 type window struct{ start, end time.Time }
+
+// creation is one Create call of the loop: the pod came to exist between sent and done.
+type creation struct{ sent, done time.Time }
+
+// holds reports whether the pod of cr came to exist inside the window.
+func (w *window) holds(cr creation) bool {
+	return !w.start.IsZero() && !w.end.IsZero() && !cr.sent.Before(w.start) && !cr.done.After(w.end)
+}
 
 // rollout samples, every 100 ms, each node's agent pods and its conflist.
 type rollout struct {
@@ -84,6 +93,23 @@ func (r *rollout) sample(ctx context.Context, n *testbed.Node) {
 	}
 }
 
+// opening returns a node whose agent rollout is under way and on which none of the
+// created pods came to exist since it began, else nil.
+func (r *rollout) opening(created map[string][]creation) *testbed.Node {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, n := range r.nodes {
+		w := r.windows[n.Name]
+		if w.start.IsZero() || !w.end.IsZero() {
+			continue
+		}
+		if !slices.ContainsFunc(created[n.Name], func(cr creation) bool { return !cr.sent.Before(w.start) }) {
+			return n
+		}
+	}
+	return nil
+}
+
 // run samples every node every 100 ms until ctx ends.
 func (r *rollout) run(ctx context.Context) {
 	for {
@@ -103,14 +129,16 @@ func (r *rollout) run(ctx context.Context) {
 // TestRollingUpgrade is the proof that `helm upgrade` to a new image tag rolls
 // meshcni over the nodes without a pod starting unredirected. The same build is
 // made under a second tag and imported into every node; while a loop creates a
-// meshed pod every 700 ms, on each node in turn, the release is upgraded to it
-// and rolls out node by node. Sampled every 100 ms on every node during the
-// rollout, the conflist is always valid with exactly one meshcni entry (the agent
-// keeps its entry over an upgrade). Every pod of the loop started redirected
-// (audited from its node); a failed sandbox creation (FailedCreatePodSandBox) on a
-// node happened only within its own node's agent rollout (from the old agent pod
-// terminating to the new one Ready, ±1 s for the events' second precision); after
-// the upgrade every node runs an agent of the new tag and is meshed.
+// meshed pod every 700 ms, on each node in turn (and on a node at once when its
+// agent's rollout begins), the release is upgraded to it and rolls out node by node.
+// On every node at least one of the loop's pods came to exist inside that node's
+// agent rollout (from the old agent pod terminating to the new one Ready). Sampled
+// every 100 ms on every node during the rollout, the conflist is always valid with
+// exactly one meshcni entry (the agent keeps its entry over an upgrade). Every pod
+// of the loop started redirected (audited from its node); a failed sandbox creation
+// (FailedCreatePodSandBox) on a node happened only within its own node's agent
+// rollout (±1 s for the events' second precision); after the upgrade every node runs
+// an agent of the new tag and is meshed.
 func TestRollingUpgrade(t *testing.T) {
 	c := cluster(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
@@ -131,12 +159,18 @@ func TestRollingUpgrade(t *testing.T) {
 
 	lctx, stopLoop := context.WithCancel(ctx)
 	var created []string
-	createdAt := map[string][]time.Time{} // node → when the loop created a pod there
+	createdAt := map[string][]creation{} // node → the loop's creates of pods there
 	var createErr error
 	bg.Go(func() {
+		turn := 0
 		for i := 0; lctx.Err() == nil && i < 60; i++ {
-			n := nodes[i%len(nodes)]
+			n := ro.opening(createdAt)
+			if n == nil {
+				n = nodes[turn%len(nodes)]
+				turn++
+			}
 			p := c.MeshedPod(ns, fmt.Sprintf("p%02d", i), n.Name)
+			sent := time.Now()
 			if _, err := c.TB.Client.CoreV1().Pods(ns).Create(lctx, p, metav1.CreateOptions{}); err != nil {
 				if lctx.Err() == nil {
 					createErr = err
@@ -144,10 +178,16 @@ func TestRollingUpgrade(t *testing.T) {
 				return
 			}
 			created = append(created, p.Name)
-			createdAt[n.Name] = append(createdAt[n.Name], time.Now())
-			select {
-			case <-lctx.Done():
-			case <-time.After(700 * time.Millisecond):
+			createdAt[n.Name] = append(createdAt[n.Name], creation{sent: sent, done: time.Now()})
+			// 700 ms to the next pod, or less when a node's rollout begins.
+			for range 7 {
+				if ro.opening(createdAt) != nil {
+					break
+				}
+				select {
+				case <-lctx.Done():
+				case <-time.After(100 * time.Millisecond):
+				}
 			}
 		}
 	})
@@ -172,15 +212,19 @@ func TestRollingUpgrade(t *testing.T) {
 	for _, n := range nodes {
 		w := ro.windows[n.Name]
 		during := 0
-		for _, at := range createdAt[n.Name] {
-			if !at.Before(w.start) && !at.After(w.end) {
+		for _, cr := range createdAt[n.Name] {
+			if w.holds(cr) {
 				during++
 			}
 		}
 		t.Logf("node %s: agent rollout %s .. %s (%s), %d pods created there meanwhile", n.Name,
 			w.start.Format("15:04:05.000"), w.end.Format("15:04:05.000"), w.end.Sub(w.start).Round(time.Millisecond), during)
-		if w.start.IsZero() || w.end.IsZero() {
+		switch {
+		case w.start.IsZero() || w.end.IsZero():
 			t.Errorf("node %s: no rollout of its agent seen (start %v, end %v)", n.Name, w.start, w.end)
+		case during == 0:
+			t.Errorf("node %s: no pod of the loop created there during its agent rollout %s .. %s: the proof needs one",
+				n.Name, w.start.Format("15:04:05.000"), w.end.Format("15:04:05.000"))
 		}
 	}
 	t.Logf("%d conflist samples", ro.samples)

@@ -25,6 +25,8 @@ import (
 	"github.com/meshcni/meshcni/internal/testkit/agenttest"
 	"github.com/meshcni/meshcni/internal/testkit/testutil"
 	"github.com/meshcni/meshcni/pkg/fileutil"
+	"github.com/meshcni/meshcni/pkg/plugin"
+	"github.com/meshcni/meshcni/pkg/podget/helper"
 )
 
 const (
@@ -266,7 +268,10 @@ func errorKinds(errs []string) string {
 // holding meshcni's entry must have redirected the pod; the configuration, read in a
 // loop, is always valid JSON with at most one meshcni entry; DEL never fails and
 // leaves no rule; nothing is left on the host; the last agent, stopped with SIGTERM,
-// puts the primary's file back as it was.
+// puts the primary's file back as it was. Every fault kind happened at least once
+// (under CI=true the API server restarts too), and no more ADDs failed than the API
+// server's outages can fail (loadtest.MaxFailedADDs: none while each outage is
+// shorter than the plugin's api_timeout less the helper's pause between attempts).
 func TestChurnFaults(t *testing.T) {
 	testutil.RequireRoot(t)
 	cycles, workers := counts(t, ciFaultCycles)
@@ -288,6 +293,7 @@ func TestChurnFaults(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Hour)
 	defer cancel()
 	waitEntry(t, r, ds)
+	apiTimeout := entryAPITimeout(t, r)
 
 	// Warm-up without faults.
 	if ta := r.churn(ctx, workers, workers, nil); len(ta.addErrs)+len(ta.delErrs)+len(ta.unredirected) > 0 {
@@ -307,11 +313,16 @@ func TestChurnFaults(t *testing.T) {
 		}
 	})
 	var apiRestarts *atomic.Int64
+	var outages []loadtest.Span // each API server restart, from its stop to its ready; read after wg.Wait
 	if tb.Owned() {
 		apiRestarts = every(fctx, &wg, apiEvery, func() {
 			rctx, cancel := context.WithTimeout(fctx, 2*time.Minute)
 			defer cancel()
-			if err := tb.Restart(rctx, "kube-apiserver"); err != nil && fctx.Err() == nil {
+			out := loadtest.Span{Start: time.Now()}
+			err := tb.Restart(rctx, "kube-apiserver")
+			out.End = time.Now()
+			outages = append(outages, out)
+			if err != nil && fctx.Err() == nil {
 				t.Errorf("restart the API server: %v", err)
 			}
 		})
@@ -337,6 +348,33 @@ func TestChurnFaults(t *testing.T) {
 		w50.Round(time.Millisecond), w99.Round(time.Millisecond), wmax.Round(time.Millisecond), len(reads.bad))
 	if len(ta.addErrs) > 0 {
 		t.Logf("failed ADDs (fail closed: the pod is not started), by message:\n%s", errorKinds(ta.addErrs))
+	}
+
+	// Each kind of fault happened, and reached what it aims at.
+	if ds.kills == 0 {
+		t.Errorf("the agent was never SIGKILLed during the %v of churn (every %v): raise %s or lower %s", took.Round(time.Millisecond), killEvery, envCycles, envKillEvery)
+	}
+	if rewrites.Load() == 0 || reads.withoutEntry.Load() == 0 {
+		t.Errorf("the primary rewrote its conflist %d times and the reader found meshcni's entry missing %d times during the %v of churn (every %v): want both above 0; raise %s or lower %s",
+			rewrites.Load(), reads.withoutEntry.Load(), took.Round(time.Millisecond), rewriteEvery, envCycles, envRewriteEvery)
+	}
+	switch {
+	case tb.Owned() && nAPI == 0:
+		t.Errorf("the API server never restarted during the %v of churn (every %v): raise %s or lower %s", took.Round(time.Millisecond), apiEvery, envCycles, envAPIEvery)
+	case !tb.Owned() && testutil.InCI():
+		t.Error("no API server restarts: the test bed is attached (hack/testbed up), and CI=true needs every fault kind")
+	}
+	// Only the API server's absence can fail an ADD: while the agent is away the plugin
+	// asks the API server through its helper, and an ADD that reads the primary's
+	// rewrite runs without meshcni. MaxFailedADDs bounds what the outages can fail.
+	maxFailed, err := loadtest.MaxFailedADDs(outages, apiTimeout, helperMaxPause, workers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("failed ADDs %d; at most %d by the fault schedule (%s, api_timeout %v, %d workers)",
+		len(ta.addErrs), maxFailed, spansText(outages), apiTimeout, workers)
+	if len(ta.addErrs) > maxFailed {
+		t.Errorf("%d ADDs failed, more than the %d the API server's outages can fail:\n%s", len(ta.addErrs), maxFailed, first(ta.addErrs, 10))
 	}
 
 	if len(ds.crashes) > 0 {
@@ -395,4 +433,40 @@ func waitEntry(t *testing.T, r *rig, ds *daemonSet) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// helperMaxPause is the longest pause of the plugin's API helper between two attempts.
+var helperMaxPause = helper.NewPodClient(&helper.APIConfig{}).MaxBackoff
+
+// entryAPITimeout is the api_timeout of meshcni's entry in the configuration.
+func entryAPITimeout(t *testing.T, r *rig) time.Duration {
+	t.Helper()
+	l, _, err := r.loadList()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range l.Plugins {
+		if p.Network.Type != "meshcni" {
+			continue
+		}
+		c, err := plugin.ParseConfig(p.Bytes)
+		if err != nil {
+			t.Fatalf("meshcni's entry: %v\n%s", err, p.Bytes)
+		}
+		return c.APITimeout
+	}
+	t.Fatal("no meshcni entry in the configuration")
+	return 0
+}
+
+// spansText lists the outages' durations.
+func spansText(spans []loadtest.Span) string {
+	if len(spans) == 0 {
+		return "no API server outage"
+	}
+	var ds []string
+	for _, s := range spans {
+		ds = append(ds, s.End.Sub(s.Start).Round(100*time.Millisecond).String())
+	}
+	return fmt.Sprintf("%d API server outages: %s", len(spans), strings.Join(ds, ", "))
 }

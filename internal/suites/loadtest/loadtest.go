@@ -146,3 +146,42 @@ func Percentiles(ds []time.Duration) (p50, p99, maxd time.Duration) {
 	at := func(q float64) time.Duration { return s[min(len(s)-1, int(q*float64(len(s))))] }
 	return at(0.50), at(0.99), s[len(s)-1]
 }
+
+// Span is a stretch of time, such as one fault from its start to its end.
+type Span struct{ Start, End time.Time }
+
+// MaxFailedADDs is the most ADDs that the API server's outages can fail, derived from
+// the outages alone. An ADD fails only when its pod lookup finds neither the agent nor
+// the API server: the plugin's helper retries the API server until apiTimeout, pausing
+// at most maxPause between attempts, so a failing ADD spends at least apiTimeout −
+// maxPause inside one outage, and outages less than maxPause apart count as one. Each
+// of the workers runs its ADDs one after the other, so an outage of d fails at most
+// ⌊d / (apiTimeout − maxPause)⌋ ADDs of each. apiTimeout must exceed maxPause.
+func MaxFailedADDs(outages []Span, apiTimeout, maxPause time.Duration, workers int) (int, error) {
+	need := apiTimeout - maxPause
+	if need <= 0 {
+		return 0, fmt.Errorf("api_timeout %v is not longer than the helper's pause between attempts (%v): any outage can fail every ADD", apiTimeout, maxPause)
+	}
+	n := 0
+	for _, s := range mergeSpans(outages, maxPause) {
+		n += int(s.End.Sub(s.Start) / need)
+	}
+	return n * workers, nil
+}
+
+// mergeSpans sorts the spans and joins those less than gap apart.
+func mergeSpans(spans []Span, gap time.Duration) []Span {
+	s := slices.Clone(spans)
+	slices.SortFunc(s, func(a, b Span) int { return a.Start.Compare(b.Start) })
+	var out []Span
+	for _, sp := range s {
+		if last := len(out) - 1; last >= 0 && sp.Start.Sub(out[last].End) < gap {
+			if sp.End.After(out[last].End) {
+				out[last].End = sp.End
+			}
+			continue
+		}
+		out = append(out, sp)
+	}
+	return out
+}

@@ -124,3 +124,38 @@ func TestPercentiles(t *testing.T) {
 		t.Fatal("non-zero for no samples")
 	}
 }
+
+func TestMaxFailedADDs(t *testing.T) {
+	t0 := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
+	at := func(from, to float64) Span {
+		return Span{t0.Add(time.Duration(from * float64(time.Second))), t0.Add(time.Duration(to * float64(time.Second)))}
+	}
+	const timeout, pause = 20 * time.Second, 2 * time.Second // a failing ADD: ≥ 18 s of outage
+	tests := []struct {
+		name    string
+		outages []Span
+		workers int
+		want    int
+	}{
+		{"no outage", nil, 4, 0},
+		{"one outage shorter than a failing ADD", []Span{at(8, 20)}, 4, 0},
+		{"one outage of exactly one failing ADD", []Span{at(0, 18)}, 4, 4},
+		{"one outage of two failing ADDs and a half", []Span{at(0, 45)}, 4, 8},
+		{"two short outages far apart", []Span{at(0, 12), at(20, 32)}, 4, 0},
+		{"two short outages back to back count as one", []Span{at(0, 12), at(13.5, 25.5)}, 4, 4},
+		{"back to back, given out of order", []Span{at(13.5, 25.5), at(0, 12)}, 4, 4},
+		{"an outage inside another", []Span{at(0, 19), at(5, 6)}, 1, 1},
+		{"a gap of exactly the pause separates", []Span{at(0, 12), at(14, 26)}, 4, 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := MaxFailedADDs(tt.outages, timeout, pause, tt.workers)
+			if err != nil || got != tt.want {
+				t.Fatalf("MaxFailedADDs = %d, %v; want %d", got, err, tt.want)
+			}
+		})
+	}
+	if _, err := MaxFailedADDs([]Span{at(0, 1)}, pause, pause, 4); err == nil {
+		t.Fatal("no error for an api_timeout no longer than the pause")
+	}
+}

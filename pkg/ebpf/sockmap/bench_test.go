@@ -28,7 +28,9 @@ import (
 // proxy (15006) → app; bulk = one 4 MiB upload app → proxy → peer per unit;
 // connect = 20 connections set up, 1 B echoed and closed per unit. Metrics: the
 // figures per mode (off, toproxy = Pod{}, both = Pod{ToApp: true}) and the
-// ratios off/mode (>1: acceleration helps).
+// ratios off/mode (>1: acceleration helps). Each sub-benchmark fails unless the
+// acceleration's counters show bytes redirected in the toproxy and both arms and
+// nothing recorded or seen in the off arm.
 //
 //	go test -run '^$' -bench Hop -benchtime 150x -count 3 ./pkg/ebpf/sockmap/
 func BenchmarkHop(b *testing.B) {
@@ -37,9 +39,10 @@ func BenchmarkHop(b *testing.B) {
 	sink := listenIn(b, p.PeerNetNS, "[::]:8082")
 	go serveSink(sink)
 	benchHops(b, hops{
-		set:  setter(b, a, cookie(b, p.NetNS)),
-		pids: []int{os.Getpid(), p.proxy.Cmd.Process.Pid},
-		app:  p.NetNS, peer: p.PeerNetNS,
+		set:   setter(b, a, cookie(b, p.NetNS)),
+		stats: func() sockmap.Stats { return stats(b, a) },
+		pids:  []int{os.Getpid(), p.proxy.Cmd.Process.Pid},
+		app:   p.NetNS, peer: p.PeerNetNS,
 		out: peer4, in: pod4, sink: withPort(peer4, 8082),
 	})
 	s, err := a.Stats()
@@ -52,8 +55,9 @@ func BenchmarkHop(b *testing.B) {
 // the peer's echo (out) and sink, reached from the app through its proxy, and the
 // app's echo (in), reached from the peer through the proxy.
 type hops struct {
-	set           func(mode int) // puts the app's netns in a mode
-	pids          []int          // processes pinned to CPU 0 in the pinned runs
+	set           func(mode int)       // puts the app's netns in a mode
+	stats         func() sockmap.Stats // the acceleration's counters
+	pids          []int                // processes pinned to CPU 0 in the pinned runs
 	app, peer     string
 	out, in, sink netip.AddrPort
 }
@@ -95,7 +99,7 @@ func benchHops(b *testing.B, h hops) {
 			b.Run(dir.name+"/"+cpu, func(b *testing.B) {
 				pin(b)
 				var lat [modes][]time.Duration
-				interleave(b, h.set, func(m int) { lat[m] = append(lat[m], rrUnit(b, dir.from, dir.dst, 100)...) })
+				interleave(b, h, func(m int) { lat[m] = append(lat[m], rrUnit(b, dir.from, dir.dst, 100)...) })
 				reportLatency(b, lat)
 			})
 		}
@@ -103,14 +107,14 @@ func benchHops(b *testing.B, h hops) {
 			pin(b)
 			var dur [modes]time.Duration
 			const size = 4 << 20
-			interleave(b, h.set, func(m int) { dur[m] += bulkUnit(b, h.app, h.sink, size) })
+			interleave(b, h, func(m int) { dur[m] += bulkUnit(b, h.app, h.sink, size) })
 			report(b, dur, float64(size*b.N)/1e6, "MB/s")
 		})
 		b.Run("connect/"+cpu, func(b *testing.B) {
 			pin(b)
 			var dur [modes]time.Duration
 			const conns = 20
-			interleave(b, h.set, func(m int) { dur[m] += connectUnit(b, h.app, h.out, conns) })
+			interleave(b, h, func(m int) { dur[m] += connectUnit(b, h.app, h.out, conns) })
 			report(b, dur, float64(conns*b.N), "conn/s")
 		})
 	}
@@ -127,15 +131,56 @@ const (
 
 var modeNames = [modes]string{"off", "toproxy", "both"}
 
-// interleave runs unit once in each mode, b.N times, rotating the order.
-func interleave(b *testing.B, set func(int), unit func(mode int)) {
+// interleave runs unit once in each mode, b.N times, rotating the order, and then
+// checks each mode against the acceleration's counters (checkModes).
+func interleave(b *testing.B, h hops, unit func(mode int)) {
+	var moved [modes]sockmap.Stats
 	b.ResetTimer()
 	for i := range b.N {
 		for j := range modes {
 			m := (i + j) % modes
-			set(m)
+			h.set(m)
+			b.StopTimer()
+			before := h.stats()
+			b.StartTimer()
 			unit(m)
+			b.StopTimer()
+			moved[m] = addStats(moved[m], subStats(h.stats(), before))
+			b.StartTimer()
 		}
+	}
+	b.StopTimer()
+	checkModes(b, moved)
+}
+
+// checkModes fails the benchmark unless each arm measured what it is named after:
+// with acceleration on (toproxy, both) the counters show messages and bytes
+// redirected during its units; with it off, no socket recorded, no message seen.
+func checkModes(b *testing.B, moved [modes]sockmap.Stats) {
+	b.Helper()
+	for _, m := range []int{toProxy, both} {
+		if moved[m].Messages == 0 || moved[m].Bytes == 0 {
+			b.Errorf("arm %s: acceleration on, yet nothing redirected during its units (counters moved by %+v): it measured plain TCP", modeNames[m], moved[m])
+		}
+	}
+	if s := moved[off]; s.Recorded != 0 || s.Messages != 0 || s.Bytes != 0 || s.Misses != 0 {
+		b.Errorf("arm off: acceleration off, yet the counters moved by %+v during its units, want no socket recorded and no message seen", s)
+	}
+}
+
+// subStats is the counters' movement from before to after (Sockets: the sockets in
+// the sockhash at the end).
+func subStats(after, before sockmap.Stats) sockmap.Stats {
+	return sockmap.Stats{
+		Sockets: after.Sockets, Recorded: after.Recorded - before.Recorded, Collisions: after.Collisions - before.Collisions,
+		Messages: after.Messages - before.Messages, Bytes: after.Bytes - before.Bytes, Misses: after.Misses - before.Misses,
+	}
+}
+
+func addStats(a, d sockmap.Stats) sockmap.Stats {
+	return sockmap.Stats{
+		Sockets: d.Sockets, Recorded: a.Recorded + d.Recorded, Collisions: a.Collisions + d.Collisions,
+		Messages: a.Messages + d.Messages, Bytes: a.Bytes + d.Bytes, Misses: a.Misses + d.Misses,
 	}
 }
 
