@@ -31,9 +31,9 @@ unit:
 	$(GO) test -short -race -count=1 -timeout 10m ./...
 
 # The packages whose tests use the one-per-machine test bed (their test binary links
-# internal/testbed), and the others, which need at most root and network namespaces.
+# internal/env/testbed), and the others, which need at most root and network namespaces.
 MODULE := github.com/meshcni/meshcni
-TESTBED_PKGS = $(MODULE)/internal/testbed $(shell $(GO) list -test -f '{{.ImportPath}}{{range .Deps}}{{if eq . "$(MODULE)/internal/testbed"}} testbed{{end}}{{end}}' ./... | awk '$$1 ~ /\.test$$/ && $$2 == "testbed" {sub(/\.test$$/, "", $$1); print $$1}')
+TESTBED_PKGS = $(MODULE)/internal/env/testbed $(shell $(GO) list -test -f '{{.ImportPath}}{{range .Deps}}{{if eq . "$(MODULE)/internal/env/testbed"}} testbed{{end}}{{end}}' ./... | awk '$$1 ~ /\.test$$/ && $$2 == "testbed" {sub(/\.test$$/, "", $$1); print $$1}')
 OTHER_PKGS = $(filter-out $(TESTBED_PKGS),$(shell $(GO) list ./...))
 
 # streams runs the command $(call $(1),PACKAGES) for the test-bed packages and, at the
@@ -90,7 +90,7 @@ bench:
 HUB ?= meshcni.local
 TAG ?= dev
 ARCH ?=
-# The meshcni image without Docker (internal/build/image): $(BIN)/images/meshcni-$(TAG).tar, an OCI
+# The meshcni image without Docker (internal/tools/build/image): $(BIN)/images/meshcni-$(TAG).tar, an OCI
 # layout tarball for `ctr images import` / `docker load`. ARCH=amd64,arm64: an index of both.
 images:
 	$(GO) run ./hack/images --hub $(HUB) --tag $(TAG) $(if $(ARCH),--arch $(ARCH)) --out $(BIN)/images/meshcni-$(TAG).tar
@@ -129,10 +129,10 @@ chart-lint: helm
 manifests: helm
 	$(GO) test -count=1 ./deploy -run '^TestManifests$$' -update
 
-# --- Generated configuration reference (internal/refdoc; its test fails when stale) ---
+# --- Generated configuration reference (internal/tools/refdoc; its test fails when stale) ---
 .PHONY: reference
 reference:
-	$(GO) test -count=1 ./internal/refdoc -run '^TestReferenceUpToDate$$' -update
+	$(GO) test -count=1 ./internal/tools/refdoc -run '^TestReferenceUpToDate$$' -update
 
 # --- Fuzzing (docs/security.md "Fuzzing") ---
 # Each target of FUZZ_TARGETS (package:FuzzName) runs alone (-fuzz takes one target).
@@ -140,11 +140,11 @@ reference:
 # seed corpora (f.Add and testdata/fuzz/) also run as plain tests in `go test`.
 .PHONY: fuzz fuzz-smoke
 FUZZ_TARGETS := \
-	./pkg/podspec:FuzzSpec \
+	./pkg/capture:FuzzSpec \
 	./pkg/spec:FuzzParsePorts ./pkg/spec:FuzzParsePrefixes ./pkg/spec:FuzzParseNames ./pkg/spec:FuzzParseModeBool \
 	./pkg/plugin:FuzzParseConfig ./pkg/plugin:FuzzCNIArgs \
 	./pkg/cniconf:FuzzInjectRemove \
-	./pkg/kubeapi:FuzzParseKubeconfig \
+	./pkg/podget/helper:FuzzParseKubeconfig \
 	./pkg/agentsock:FuzzServeConn \
 	./pkg/netlink:FuzzNetlinkWalk \
 	./pkg/backend/iptables:FuzzParseSave ./pkg/backend/iptables:FuzzOwnedRule

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/meshcni/meshcni/internal/build/image"
+	"github.com/meshcni/meshcni/internal/tools/build/image"
 )
 
 // The meshcni image of the package's full-test-bed tests, built once per test binary

@@ -15,10 +15,10 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
-	"github.com/meshcni/meshcni/internal/golden"
-	"github.com/meshcni/meshcni/internal/istio"
-	"github.com/meshcni/meshcni/internal/reporoot"
-	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/env/istio"
+	"github.com/meshcni/meshcni/internal/testkit/golden"
+	"github.com/meshcni/meshcni/internal/testkit/reporoot"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 )
 
 // compatPath is the chart's table of Istio's istio-cni values (docs/reference.md shows it).

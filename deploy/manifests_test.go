@@ -6,7 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshcni/meshcni/internal/golden"
+	"github.com/meshcni/meshcni/internal/testkit/golden"
 )
 
 // manifestSets are the plain manifests published in deploy/manifests, rendered from the

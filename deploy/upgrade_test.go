@@ -15,12 +15,12 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/internal/build/image"
-	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	"github.com/meshcni/meshcni/internal/tools/build/image"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
 
 // streamNamespace holds the meshed pods created during rolling upgrades.
@@ -34,10 +34,10 @@ const streamNamespace = "meshcni-upgrade-stream"
 func meshedPod(name string) *corev1.Pod {
 	p := testbed.EchoPod(name, 0)
 	p.Namespace = streamNamespace
-	p.Annotations = map[string]string{podspec.AnnotationStatus: `{"containers":["istio-proxy"]}`}
+	p.Annotations = map[string]string{capture.AnnotationStatus: `{"containers":["istio-proxy"]}`}
 	p.Spec.Containers[0].ReadinessProbe = nil
 	p.Spec.Containers = append(p.Spec.Containers, corev1.Container{
-		Name: podspec.ProxyContainer, Image: testbed.EchoImage, ImagePullPolicy: corev1.PullNever,
+		Name: capture.ProxyContainer, Image: testbed.EchoImage, ImagePullPolicy: corev1.PullNever,
 		Env: []corev1.EnvVar{{Name: "PORT", Value: "15021"}},
 	})
 	return p
@@ -48,7 +48,7 @@ func meshedPod(name string) *corev1.Pod {
 // chain, it exits 126 until the repair controller applies its redirect in place.
 func validatedPod(name, meshcniImage string) *corev1.Pod {
 	p := meshedPod(name)
-	p.Annotations[podspec.AnnotationStatus] = `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`
+	p.Annotations[capture.AnnotationStatus] = `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`
 	uid, no, yes := int64(1337), false, true
 	p.Spec.InitContainers = []corev1.Container{{
 		Name: "istio-validation", Image: meshcniImage, ImagePullPolicy: corev1.PullNever,
@@ -167,7 +167,7 @@ func auditPods(ctx context.Context, t *testing.T, tb *testbed.Testbed, names []s
 		if err != nil {
 			t.Fatal(err)
 		}
-		s, err := podspec.Spec(corepod.From(pod))
+		s, err := capture.Spec(k8spod.From(pod))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -175,7 +175,7 @@ func auditPods(ctx context.Context, t *testing.T, tb *testbed.Testbed, names []s
 		for _, ip := range pod.Status.PodIPs {
 			ips = append(ips, netip.MustParseAddr(ip.IP))
 		}
-		podspec.WithFamilies(s, ips)
+		capture.WithFamilies(s, ips)
 		d, err := engine.Check(ctx, engine.Options{Backend: backend.Auto, NetnsPath: netns}, s)
 		switch {
 		case err != nil && gone(ctx, t, tb, name):

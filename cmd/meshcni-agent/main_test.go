@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 )
 
 // TestVersionFromLdflags: the version set with -ldflags "-X main.version=..." (as the

@@ -13,11 +13,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/yaml"
 
-	"github.com/meshcni/meshcni/pkg/ctlout"
-	"github.com/meshcni/meshcni/pkg/kubeget"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/kubeget"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/output"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/rules/ipt"
 	"github.com/meshcni/meshcni/pkg/spec"
@@ -63,7 +63,7 @@ with the same content.`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx, cancel := context.WithTimeout(cmd.Context(), f.timeout)
 			defer cancel()
-			if _, err := ctlout.ParseFormat(f.output); err != nil {
+			if _, err := output.ParseFormat(f.output); err != nil {
 				return err
 			}
 			pod, err := f.pod(ctx, args)
@@ -133,12 +133,12 @@ func (f *explainFlags) podRef(ref string) (string, string, error) {
 
 // explanation is explain's result for -o json|yaml.
 type explanation struct {
-	ctlout.TypeMeta `json:",inline"`
+	output.TypeMeta `json:",inline"`
 	Pod             string               `json:"pod"` // namespace/name
 	Redirected      bool                 `json:"redirected"`
 	Reason          string               `json:"reason"`
 	Warnings        []string             `json:"warnings,omitempty"`
-	Spec            *ctlout.RedirectSpec `json:"spec,omitempty"`
+	Spec            *output.RedirectSpec `json:"spec,omitempty"`
 	Rules           *ruleText            `json:"rules,omitempty"`
 }
 
@@ -154,8 +154,8 @@ type ruleText struct {
 const explanationKind = "PodRedirectExplanation"
 
 func newExplanation(pod *corev1.Pod, p podPlan) explanation {
-	e := explanation{TypeMeta: ctlout.Meta(explanationKind), Pod: pod.Namespace + "/" + pod.Name,
-		Redirected: p.Decision.Meshed, Reason: p.Decision.Reason, Warnings: p.Warnings, Spec: ctlout.Spec(p.Spec)}
+	e := explanation{TypeMeta: output.Meta(explanationKind), Pod: pod.Namespace + "/" + pod.Name,
+		Redirected: p.Decision.Captured(), Reason: p.Decision.Reason, Warnings: p.Warnings, Spec: output.Spec(p.Spec)}
 	if p.Spec != nil {
 		rs := rules.Build(p.Spec)
 		e.Rules = &ruleText{IPv4: ipt.Restore(rs, rules.V4), IPv6: ipt.Restore(rs, rules.V6)}
@@ -171,8 +171,8 @@ func explain(out io.Writer, pod *corev1.Pod, f *explainFlags) error {
 	if err != nil {
 		return err
 	}
-	if format, _ := ctlout.ParseFormat(f.output); format != ctlout.Text {
-		return ctlout.Write(out, format, newExplanation(pod, p))
+	if format, _ := output.ParseFormat(f.output); format != output.Text {
+		return output.Write(out, format, newExplanation(pod, p))
 	}
 	printPlan(out, pod, p)
 	if p.Spec != nil {
@@ -184,16 +184,16 @@ func explain(out io.Writer, pod *corev1.Pod, f *explainFlags) error {
 // podPlan is what the plugin does for a pod: its decision and, when it redirects the
 // pod, the spec (IP families set) and the findings met deriving it.
 type podPlan struct {
-	Decision podspec.Decision
+	Decision capture.Decision
 	Warnings []string
 	Spec     *spec.Spec // nil when not redirected
 }
 
-// plan runs the plugin's decision (podspec.Decide) and spec derivation
-// (podspec.ForPod) on the pod. IP families come from --pod-ip, else the pod's status
+// plan runs the plugin's decision (capture.Decide) and spec derivation
+// (capture.ForPod) on the pod. IP families come from --pod-ip, else the pod's status
 // (podnetns.PodIPs: status.podIPs, else status.podIP).
 func (f *explainFlags) plan(pod *corev1.Pod) (podPlan, error) {
-	label, err := podspec.ParseLabel(f.agentLabel)
+	label, err := capture.ParseLabel(f.agentLabel)
 	if err != nil {
 		return podPlan{}, fmt.Errorf("--agent-pod-label: %w", err)
 	}
@@ -201,16 +201,16 @@ func (f *explainFlags) plan(pod *corev1.Pod) (podPlan, error) {
 	if err != nil {
 		return podPlan{}, err
 	}
-	cfg := podspec.Config{ExcludeNamespaces: f.excludeNamespaces, AgentNamespace: f.agentNamespace, AgentLabel: label, IPv6: mode}
-	p := podPlan{Decision: podspec.Decide(corepod.From(pod), cfg)}
-	if !p.Decision.Meshed {
+	cfg := capture.Config{ExcludeNamespaces: f.excludeNamespaces, AgentNamespace: f.agentNamespace, AgentLabel: label, IPv6: mode}
+	p := podPlan{Decision: capture.Decide(k8spod.From(pod), cfg)}
+	if !p.Decision.Captured() {
 		return p, nil
 	}
 	addrs, err := f.addrs(pod)
 	if err != nil {
 		return p, err
 	}
-	res, err := cfg.ForPod(corepod.From(pod), addrs)
+	res, err := cfg.ForPod(k8spod.From(pod), addrs)
 	if err != nil {
 		return p, fmt.Errorf("the plugin would fail ADD (no rule applied): %w", err)
 	}
@@ -238,7 +238,7 @@ func (f *explainFlags) addrs(pod *corev1.Pod) ([]netip.Addr, error) {
 // printPlan writes the pod, the decision, its reason and (when redirected) the spec.
 func printPlan(out io.Writer, pod *corev1.Pod, p podPlan) {
 	fmt.Fprintf(out, "pod:      %s/%s\n", pod.Namespace, pod.Name)
-	if !p.Decision.Meshed {
+	if !p.Decision.Captured() {
 		fmt.Fprintf(out, "decision: not redirected\nreason:   %s\n", p.Decision.Reason)
 		return
 	}

@@ -10,11 +10,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/yaml"
 
-	"github.com/meshcni/meshcni/internal/demo"
-	"github.com/meshcni/meshcni/internal/istio"
-	"github.com/meshcni/meshcni/internal/testbed"
-	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/pkg/precheck"
+	"github.com/meshcni/meshcni/internal/env/demo"
+	"github.com/meshcni/meshcni/internal/env/istio"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/precheck"
 )
 
 // TestParseIstioInjectorChart reads injector ConfigMaps rendered by Istio's own

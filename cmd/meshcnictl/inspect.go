@@ -17,11 +17,11 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/meshcni/meshcni/pkg/backend"
-	"github.com/meshcni/meshcni/pkg/ctlout"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/kubeget"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/kubeget"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/output"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -118,7 +118,7 @@ func (f *explainFlags) registerPodFlags(fl *pflag.FlagSet) {
 	fl.StringVarP(&f.namespace, "namespace", "n", "", "namespace of POD (default: the kubeconfig context's namespace)")
 	fl.StringSliceVar(&f.excludeNamespaces, "exclude-namespaces", nil, "namespaces whose pods the plugin never redirects (its exclude_namespaces)")
 	fl.StringVar(&f.agentNamespace, "agent-pod-namespace", "", "namespace of meshcni's agent, whose pods carrying --agent-pod-label are never redirected (the plugin's agent_pod_namespace; empty: none is exempt by label)")
-	fl.StringVar(&f.agentLabel, "agent-pod-label", podspec.DefaultAgentLabel, "label KEY=VALUE of the agent's pods (the plugin's agent_pod_label)")
+	fl.StringVar(&f.agentLabel, "agent-pod-label", capture.DefaultAgentLabel, "label KEY=VALUE of the agent's pods (the plugin's agent_pod_label)")
 	fl.StringVar(&f.ipv6Mode, "ipv6-mode", string(spec.IPv6Istio), "IPv6 of meshed pods (the plugin's ipv6 key): istio, capture or drop; a pod's meshcni.io/ipv6 annotation wins")
 	fl.DurationVar(&f.timeout, "timeout", 20*time.Second, "give up after this long")
 }
@@ -136,13 +136,13 @@ const inspectKind = "PodRedirectInspection"
 
 // inspectReport is inspect's result; -o json|yaml prints it as is.
 type inspectReport struct {
-	ctlout.TypeMeta `json:",inline"`
+	output.TypeMeta `json:",inline"`
 	Pod             string               `json:"pod,omitempty"` // namespace/name
 	Node            string               `json:"node,omitempty"`
 	Meshed          *bool                `json:"meshed,omitempty"`
 	Reason          string               `json:"reason,omitempty"`
 	Warnings        []string             `json:"warnings,omitempty"`
-	Spec            *ctlout.RedirectSpec `json:"spec,omitempty"`
+	Spec            *output.RedirectSpec `json:"spec,omitempty"`
 	// PluginConfig is the node's file whose meshcni entry the decision used ("" when
 	// the flags were given or no entry was found).
 	PluginConfig string                  `json:"pluginConfig,omitempty"`
@@ -173,7 +173,7 @@ func usageErr(format string, args ...any) error {
 }
 
 func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []string) error {
-	format, err := ctlout.ParseFormat(f.output)
+	format, err := output.ParseFormat(f.output)
 	if err != nil {
 		return &exitError{code: exitUsage, err: err}
 	}
@@ -201,7 +201,7 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 		}
 	}
 
-	r := &inspectReport{TypeMeta: ctlout.Meta(inspectKind), Netns: f.netns}
+	r := &inspectReport{TypeMeta: output.Meta(inspectKind), Netns: f.netns}
 	runDir := f.agentRunDir
 	// enter is the path the rules are read through: the one given, else the found
 	// namespace's open handle (r.Netns names it).
@@ -234,10 +234,10 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 		if err != nil {
 			return &exitError{code: exitUsage, err: fmt.Errorf("pod %s/%s: %w", ns, name, err)}
 		}
-		meshed := p.Decision.Meshed
+		meshed := p.Decision.Captured()
 		r.pod, r.plan = pod, &p
 		r.Pod, r.Node, r.Meshed, r.Reason, r.Warnings, r.spec = ns+"/"+name, pod.Spec.NodeName, &meshed, p.Decision.Reason, p.Warnings, p.Spec
-		r.Spec = ctlout.Spec(p.Spec)
+		r.Spec = output.Spec(p.Spec)
 		if r.Netns == "" {
 			h, err := f.findNetns(ctx, pod)
 			if err != nil {
@@ -290,8 +290,8 @@ func runInspect(ctx context.Context, out io.Writer, f *inspectFlags, args []stri
 		}
 	}
 
-	if format != ctlout.Text {
-		if err := ctlout.Write(out, format, r); err != nil {
+	if format != output.Text {
+		if err := output.Write(out, format, r); err != nil {
 			return err
 		}
 	} else {

@@ -6,7 +6,7 @@ import (
 	"fmt"
 
 	"github.com/meshcni/meshcni/pkg/cniconf"
-	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
+	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/plugin"
 )
 
@@ -18,13 +18,13 @@ var errNoEntry = errors.New("no meshcni entry")
 // as the plugin does, so inspect decides with the plugin's own exclude_namespaces,
 // agent_pod_namespace and agent_pod_label. It returns the file the entry came from.
 func nodePluginConfig(dir string) (*plugin.Config, string, error) {
-	files, err := confdir.ListFiles(dir)
+	files, err := install.ListFiles(dir)
 	if err != nil {
 		return nil, "", err
 	}
 	for _, file := range files {
-		data, err := confdir.ReadConfig(file)
-		if errors.Is(err, confdir.ErrUnloadable) {
+		data, err := install.ReadConfig(file)
+		if errors.Is(err, install.ErrUnloadable) {
 			continue // a FIFO, a device or an oversized file: kubelet cannot load it either
 		}
 		if err != nil {

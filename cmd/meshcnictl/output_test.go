@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshcni/meshcni/internal/golden"
+	"github.com/meshcni/meshcni/internal/testkit/golden"
 )
 
 // TestExplainOutput checks explain -o json|yaml against golden files

@@ -9,9 +9,9 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/meshcni/meshcni/pkg/ctlout"
-	"github.com/meshcni/meshcni/pkg/kubeget"
-	"github.com/meshcni/meshcni/pkg/precheck"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/kubeget"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/output"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/precheck"
 )
 
 func init() { subcommands = append(subcommands, newPrecheckCmd) }
@@ -26,12 +26,12 @@ const (
 const precheckKind = "SwitchPrecheck"
 
 type precheckReport struct {
-	ctlout.TypeMeta `json:",inline"`
+	output.TypeMeta `json:",inline"`
 	precheck.Result `json:",inline"`
 }
 
 func newPrecheckCmd() *cobra.Command {
-	var kubeconfig, output string
+	var kubeconfig, outFormat string
 	var timeout time.Duration
 	cmd := &cobra.Command{
 		Use:   "precheck",
@@ -55,7 +55,7 @@ list on nodes, daemonsets, pods, configmaps and network-attachment-definitions.
 Exit status: 0 without blocker, 1 with a blocker, 2 when the cluster cannot be read.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			format, err := ctlout.ParseFormat(output)
+			format, err := output.ParseFormat(outFormat)
 			if err != nil {
 				return &exitError{code: exitCheckError, err: err}
 			}
@@ -67,12 +67,12 @@ Exit status: 0 without blocker, 1 with a blocker, 2 when the cluster cannot be r
 	cmd.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return &exitError{code: exitCheckError, err: err} })
 	fl := cmd.Flags()
 	fl.StringVar(&kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig of the cluster (default $KUBECONFIG, else the in-cluster service account)")
-	fl.StringVarP(&output, "output", "o", "text", "output format: text, json or yaml")
+	fl.StringVarP(&outFormat, "output", "o", "text", "output format: text, json or yaml")
 	fl.DurationVar(&timeout, "timeout", 60*time.Second, "give up after this long")
 	return cmd
 }
 
-func runPrecheck(ctx context.Context, out io.Writer, kubeconfig string, format ctlout.Format) error {
+func runPrecheck(ctx context.Context, out io.Writer, kubeconfig string, format output.Format) error {
 	c, err := kubeget.New(kubeconfig)
 	if err != nil {
 		return &exitError{code: exitCheckError, err: err}
@@ -82,8 +82,8 @@ func runPrecheck(ctx context.Context, out io.Writer, kubeconfig string, format c
 		return &exitError{code: exitCheckError, err: fmt.Errorf("read the cluster at %s: %w", c.Host(), err)}
 	}
 	r := precheck.Run(in)
-	if format != ctlout.Text {
-		if err := ctlout.Write(out, format, precheckReport{TypeMeta: ctlout.Meta(precheckKind), Result: r}); err != nil {
+	if format != output.Text {
+		if err := output.Write(out, format, precheckReport{TypeMeta: output.Meta(precheckKind), Result: r}); err != nil {
 			return err
 		}
 	} else {

@@ -11,8 +11,8 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/meshcni/meshcni/pkg/istioflags"
+	"github.com/meshcni/meshcni/pkg/redirectprobe"
 	"github.com/meshcni/meshcni/pkg/spec"
-	"github.com/meshcni/meshcni/pkg/validate"
 )
 
 func init() { subcommands = append(subcommands, newValidateCmd) }
@@ -77,12 +77,12 @@ ones that only shape rules are ignored.`,
 				level = slog.LevelDebug
 			}
 			cfg.Logger = slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: level}))
-			if err := validate.Run(cmd.Context(), cfg); err != nil {
-				var ve *validate.Error
+			if err := redirectprobe.Run(cmd.Context(), cfg); err != nil {
+				var ve *redirectprobe.Error
 				if errors.As(err, &ve) {
 					return &exitError{code: ve.ExitCode(), err: err}
 				}
-				return &exitError{code: validate.ExitCode, err: err}
+				return &exitError{code: redirectprobe.ExitCode, err: err}
 			}
 			fmt.Fprintln(cmd.OutOrStdout(), "validation passed: the sidecar redirect is in place")
 			return nil
@@ -99,7 +99,7 @@ func (f *validateFlags) register(fs *pflag.FlagSet, getenv func(string) string) 
 	f.istio = istioflags.Register(fs, getenv)
 	fs.StringVar(&f.probePort, "iptables-probe-port", envOr(getenv, envProbePort, "15002"),
 		"port of the probe destination 127.0.0.6 / ::6 (env "+envProbePort+")")
-	fs.StringVar(&f.probeTimeout, "probe-timeout", envOr(getenv, envProbeTimeout, validate.DefaultTimeout.String()),
+	fs.StringVar(&f.probeTimeout, "probe-timeout", envOr(getenv, envProbeTimeout, redirectprobe.DefaultTimeout.String()),
 		"how long to retry before failing (env "+envProbeTimeout+")")
 	fs.BoolVar(&f.ipv4, "ipv4", true, "validate IPv4 (127.0.0.1 / 127.0.0.6)")
 	fs.BoolVar(&f.ipv6, "ipv6", false, "validate IPv6 (::1 / ::6) too; implied by --dual-stack")
@@ -131,9 +131,9 @@ func envOr(getenv func(string) string, name, def string) string {
 	return def
 }
 
-// config turns the flags into a typed validate.Config.
-func (f *validateFlags) config(_ func(string) string) (validate.Config, error) {
-	cfg := validate.DefaultConfig()
+// config turns the flags into a typed redirectprobe.Config.
+func (f *validateFlags) config(_ func(string) string) (redirectprobe.Config, error) {
+	cfg := redirectprobe.DefaultConfig()
 	var err error
 	if cfg.OutboundPort, err = spec.ParsePort("-p/--envoy-port", f.istio.ProxyPort); err != nil {
 		return cfg, err

@@ -14,11 +14,11 @@ import (
 	"github.com/spf13/cobra"
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/meshcni/meshcni/pkg/agentversion"
 	"github.com/meshcni/meshcni/pkg/buildinfo"
-	"github.com/meshcni/meshcni/pkg/ctlout"
-	"github.com/meshcni/meshcni/pkg/kubeget"
-	"github.com/meshcni/meshcni/pkg/precheck"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/agentversion"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/kubeget"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/output"
+	"github.com/meshcni/meshcni/pkg/meshcnictl/precheck"
 )
 
 // version is meshcnictl's version, set at build time:
@@ -31,7 +31,7 @@ func init() { subcommands = append(subcommands, newVersionCmd) }
 const versionKind = "Version"
 
 type versionReport struct {
-	ctlout.TypeMeta `json:",inline"`
+	output.TypeMeta `json:",inline"`
 	Client          buildinfo.Info      `json:"client"`
 	Agents          []agentversion.Node `json:"agents,omitempty"`
 	// AgentsError says why the agents were not asked ("" when they were).
@@ -49,7 +49,7 @@ func clientVersion() buildinfo.Info {
 }
 
 func newVersionCmd() *cobra.Command {
-	var kubeconfig, output string
+	var kubeconfig, outFormat string
 	var clientOnly bool
 	var timeout time.Duration
 	cmd := &cobra.Command{
@@ -65,13 +65,13 @@ pod's image, with a note saying so.
 --client prints meshcnictl's version only, without the cluster.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			format, err := ctlout.ParseFormat(output)
+			format, err := output.ParseFormat(outFormat)
 			if err != nil {
 				return err
 			}
 			ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
 			defer cancel()
-			r := versionReport{TypeMeta: ctlout.Meta(versionKind), Client: clientVersion()}
+			r := versionReport{TypeMeta: output.Meta(versionKind), Client: clientVersion()}
 			var agentsErr error
 			if !clientOnly {
 				r.Agents, agentsErr = agentVersions(ctx, kubeconfig)
@@ -88,7 +88,7 @@ pod's image, with a note saying so.
 	fl := cmd.Flags()
 	fl.StringVar(&kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig of the cluster (default $KUBECONFIG, else the in-cluster service account)")
 	fl.BoolVar(&clientOnly, "client", false, "print meshcnictl's version only")
-	fl.StringVarP(&output, "output", "o", "text", "output format: text, json or yaml")
+	fl.StringVarP(&outFormat, "output", "o", "text", "output format: text, json or yaml")
 	fl.DurationVar(&timeout, "timeout", 20*time.Second, "give up after this long")
 	return cmd
 }
@@ -116,9 +116,9 @@ func agentVersions(ctx context.Context, kubeconfig string) ([]agentversion.Node,
 	return agentversion.Collect(ctx, pods, fetch), nil
 }
 
-func printVersion(out io.Writer, format ctlout.Format, r versionReport, clientOnly bool) error {
-	if format != ctlout.Text {
-		return ctlout.Write(out, format, r)
+func printVersion(out io.Writer, format output.Format, r versionReport, clientOnly bool) error {
+	if format != output.Text {
+		return output.Write(out, format, r)
 	}
 	fmt.Fprintf(out, "client: meshcnictl %s (%s, %s)\n", r.Client.Version, r.Client.GoVersion, r.Client.Platform)
 	if clientOnly || r.AgentsError != "" {

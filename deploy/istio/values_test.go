@@ -4,7 +4,7 @@ package istio_test
 // (pkg/kube/inject applyOverlayYAML: the rendered template as a strategic merge patch
 // onto the pod, with corev1.Pod's patch metadata), to pods as the "sidecar" template
 // renders them. The real injector (webhook and istioctl kube-inject) is exercised by
-// internal/istio/e2e TestIstioValidationFree.
+// internal/env/istio/e2e TestIstioValidationFree.
 
 import (
 	"bytes"

@@ -8,8 +8,8 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/meshcni/meshcni/internal/istio"
-	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/internal/env/istio"
+	"github.com/meshcni/meshcni/internal/env/testbed"
 )
 
 // istioNamespace holds the app the real injector meshes.

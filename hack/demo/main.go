@@ -32,9 +32,9 @@ import (
 
 	"github.com/spf13/pflag"
 
-	"github.com/meshcni/meshcni/internal/build/image"
-	"github.com/meshcni/meshcni/internal/demo"
-	"github.com/meshcni/meshcni/internal/testbed"
+	"github.com/meshcni/meshcni/internal/env/demo"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	"github.com/meshcni/meshcni/internal/tools/build/image"
 	"github.com/meshcni/meshcni/pkg/flagenv"
 )
 

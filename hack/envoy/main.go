@@ -1,5 +1,5 @@
 // Command envoy is the Envoy stand-in of the Istio test images (see
-// internal/proxysim, envoy.go): pilot-agent starts it as /usr/local/bin/envoy with
+// internal/standin/proxysim, envoy.go): pilot-agent starts it as /usr/local/bin/envoy with
 // Envoy's command line. It writes one JSON line per proxysim record to stdout and
 // logs JSON to stderr; pilot-agent passes both to the istio-proxy container's log.
 //
@@ -17,7 +17,7 @@ import (
 	"sync"
 	"syscall"
 
-	"github.com/meshcni/meshcni/internal/proxysim"
+	"github.com/meshcni/meshcni/internal/standin/proxysim"
 )
 
 func main() {

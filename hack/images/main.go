@@ -15,8 +15,8 @@ import (
 
 	"github.com/spf13/pflag"
 
-	"github.com/meshcni/meshcni/internal/build/image"
-	"github.com/meshcni/meshcni/internal/reporoot"
+	"github.com/meshcni/meshcni/internal/testkit/reporoot"
+	"github.com/meshcni/meshcni/internal/tools/build/image"
 	"github.com/meshcni/meshcni/pkg/flagenv"
 )
 

@@ -1,5 +1,5 @@
 // Command meshcni-proxysim is a stand-in sidecar proxy for meshcni's tests and demo
-// (see internal/proxysim). It writes one JSON line per record to stdout (the first is a
+// (see internal/standin/proxysim). It writes one JSON line per record to stdout (the first is a
 // {"event":"ready"} record once every listener is bound) and logs JSON to stderr.
 //
 //	meshcni-proxysim [serve] [flags]     run the proxy
@@ -27,7 +27,7 @@ import (
 
 	"github.com/spf13/pflag"
 
-	"github.com/meshcni/meshcni/internal/proxysim"
+	"github.com/meshcni/meshcni/internal/standin/proxysim"
 	"github.com/meshcni/meshcni/pkg/flagenv"
 )
 

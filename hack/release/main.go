@@ -1,5 +1,5 @@
 // Command release builds meshcni's release artifacts into dist/<version> (see
-// internal/release and docs/release.md): `make release VERSION=x.y.z` runs it. Flags:
+// internal/tools/release and docs/release.md): `make release VERSION=x.y.z` runs it. Flags:
 //
 //	--version 1.2.0 --hub ghcr.io/meshcni --arch amd64,arm64 --out dist/1.2.0
 package main
@@ -15,10 +15,10 @@ import (
 
 	"github.com/spf13/pflag"
 
-	"github.com/meshcni/meshcni/internal/build/image"
-	"github.com/meshcni/meshcni/internal/demo"
-	"github.com/meshcni/meshcni/internal/release"
-	"github.com/meshcni/meshcni/internal/reporoot"
+	"github.com/meshcni/meshcni/internal/env/demo"
+	"github.com/meshcni/meshcni/internal/testkit/reporoot"
+	"github.com/meshcni/meshcni/internal/tools/build/image"
+	"github.com/meshcni/meshcni/internal/tools/release"
 )
 
 func main() {

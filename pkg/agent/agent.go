@@ -17,15 +17,14 @@ import (
 
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/meshcni/meshcni/pkg/agent/nodepods"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/buildinfo"
 	"github.com/meshcni/meshcni/pkg/buildinfo/buildmetrics"
-	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/install"
-	"github.com/meshcni/meshcni/pkg/nodepods"
 	"github.com/meshcni/meshcni/pkg/podget"
-	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // Runnable is one long-running part of the agent. Run blocks until ctx ends (nil) or
@@ -86,7 +85,7 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 		return nil, err
 	}
 	a.Guard = &Guard{
-		Conf: confdir.Options{
+		Conf: install.ConflistOptions{
 			Dir:            cfg.CNIConfDir,
 			FileName:       cfg.CNIConfFileName,
 			Chained:        cfg.Chained,
@@ -111,7 +110,7 @@ func New(cfg *Config, log *slog.Logger, opts Options) (*Agent, error) {
 	a.EBPF = newEBPF(cfg, log.With("component", "ebpf"))
 	m.Registry.MustRegister(a.EBPF)
 	a.Socket.EBPF = a.EBPF
-	mesh := podspec.Config{ExcludeNamespaces: cfg.ExcludeNamespaces, AgentNamespace: cfg.PodNamespace, IPv6: cfg.IPv6}
+	mesh := capture.Config{ExcludeNamespaces: cfg.ExcludeNamespaces, AgentNamespace: cfg.PodNamespace, IPv6: cfg.IPv6}
 	a.Sandboxes = &Sandboxes{Dir: sandboxDir(cfg.RunDir), Mesh: mesh, Log: log.With("component", "sandbox-state")}
 	a.EBPF.state = a.Sandboxes
 	a.Socket.Sandboxes = a.Sandboxes
@@ -151,7 +150,7 @@ func (a *Agent) addMarker(k *Kube, pods PodSource) error {
 		a.Log.Info("redirected marker off (--mark-redirected=false)")
 		return nil
 	}
-	mesh := podspec.Config{ExcludeNamespaces: cfg.ExcludeNamespaces, AgentNamespace: cfg.PodNamespace, IPv6: cfg.IPv6}
+	mesh := capture.Config{ExcludeNamespaces: cfg.ExcludeNamespaces, AgentNamespace: cfg.PodNamespace, IPv6: cfg.IPv6}
 	mk, err := NewMarker(k.Client, pods, mesh, a.Log.With("component", "marker"), a.Metrics.Registry)
 	if err != nil {
 		return err

@@ -28,13 +28,13 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	promtestutil "github.com/prometheus/client_golang/prometheus/testutil"
 
-	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
 	"github.com/meshcni/meshcni/pkg/fileutil"
+	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/podget"
 )
 
-// goldenDir holds the configuration-directory shapes shared with pkg/cniconf/confdir.
-const goldenDir = "../cniconf/confdir/testdata"
+// goldenDir holds the configuration-directory shapes shared with pkg/install.
+const goldenDir = "../install/testdata"
 
 type syncBuffer struct {
 	mu sync.Mutex
@@ -357,7 +357,7 @@ func TestAgentGoldenShapes(t *testing.T) {
 			switch {
 			case len(leaves) == 0 && err != nil:
 				t.Fatalf("agent stopped with %v", err)
-			case len(leaves) > 0 && !errors.Is(err, confdir.ErrInvalid):
+			case len(leaves) > 0 && !errors.Is(err, install.ErrInvalid):
 				t.Fatalf("agent stopped with %v, want an ErrInvalid naming %v", err, leaves)
 			}
 			for _, name := range leaves {

@@ -20,14 +20,14 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/internal/agenttest"
-	"github.com/meshcni/meshcni/internal/testbed"
-	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	"github.com/meshcni/meshcni/internal/testkit/agenttest"
+	"github.com/meshcni/meshcni/internal/testkit/traffic"
 	"github.com/meshcni/meshcni/pkg/audit"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 )
 
 // podEvent waits for an Event with reason on the pod (by UID) and returns its message.
@@ -76,11 +76,11 @@ func TestAuditOnTestbed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s, err := podspec.Spec(corepod.From(pod))
+	s, err := capture.Spec(k8spod.From(pod))
 	if err != nil {
 		t.Fatal(err)
 	}
-	podspec.WithFamilies(s, []netip.Addr{netip.MustParseAddr(pod.Status.PodIP)})
+	capture.WithFamilies(s, []netip.Addr{netip.MustParseAddr(pod.Status.PodIP)})
 	check := func() backend.Drift {
 		d, err := engine.Check(ctx, engine.Options{Backend: backend.Nftables, NetnsPath: netns}, s)
 		if err != nil {

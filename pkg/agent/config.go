@@ -15,13 +15,13 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/meshcni/meshcni/pkg/audit"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/flagenv"
 	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/logformat"
 	"github.com/meshcni/meshcni/pkg/podget"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/repair"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -91,7 +91,7 @@ type Config struct {
 
 	// eBPF acceleration (flags in ebpf.go).
 	EBPF                  EBPFMode
-	EBPFDefault           podspec.Acceleration
+	EBPFDefault           capture.Acceleration
 	EBPFNamespaces        []string
 	EBPFAllowedNamespaces []string
 	EBPFForceUnavailable  string
@@ -137,9 +137,6 @@ func (c *Config) ipv6Key() string {
 // MESHCNI_CNI_BIN_DIR.
 const EnvPrefix = "MESHCNI_"
 
-// EnvName returns the environment variable of a flag.
-func EnvName(flagName string) string { return flagenv.Name(EnvPrefix, flagName) }
-
 // ParseFlags reads the configuration from args and the environment (getenv): a flag
 // beats its variable, which beats the default. Every value is parsed and checked.
 func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Config, error) {
@@ -158,7 +155,7 @@ func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Co
 }
 
 // FlagSet returns the agent's flags with their defaults, for documentation
-// (internal/refdoc).
+// (internal/tools/refdoc).
 func FlagSet() *pflag.FlagSet {
 	fs, _ := (&Config{}).flagSet(io.Discard)
 	return fs

@@ -15,8 +15,8 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
-	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // EBPFMode says whether the agent loads eBPF acceleration (--ebpf-acceleration).
@@ -34,7 +34,7 @@ const (
 func (c *Config) ebpfFlags(fs *pflag.FlagSet) func() error {
 	var mode, def, namespaces, allowed string
 	fs.StringVar(&mode, "ebpf-acceleration", string(EBPFOff), "eBPF acceleration of the app ↔ proxy hop inside meshed pods (docs/ebpf.md): off, or auto (load when the node's kernel can run it; pods opt in by meshcni.io/ebpf-acceleration, --ebpf-default or --ebpf-namespaces)")
-	fs.StringVar(&def, "ebpf-default", string(podspec.AccelOff), "acceleration of a meshed pod without the meshcni.io/ebpf-acceleration annotation: off, to-proxy (what the app sends to its proxy), both (also what the proxy sends to the app)")
+	fs.StringVar(&def, "ebpf-default", string(capture.AccelOff), "acceleration of a meshed pod without the meshcni.io/ebpf-acceleration annotation: off, to-proxy (what the app sends to its proxy), both (also what the proxy sends to the app)")
 	fs.StringVar(&namespaces, "ebpf-namespaces", "", "comma-separated namespaces whose meshed pods without the annotation get at least to-proxy")
 	fs.StringVar(&allowed, "ebpf-allowed-namespaces", "", "comma-separated namespaces outside which no pod is accelerated, whatever its meshcni.io/ebpf-acceleration annotation (the operator's fence; a refused annotation is logged); empty: every namespace")
 	fs.StringVar(&c.EBPFForceUnavailable, "ebpf-force-unavailable", "", "make eBPF feature detection fail with this reason, as on a node without the kernel features (tests the fallback)")
@@ -48,7 +48,7 @@ func (c *Config) ebpfFlags(fs *pflag.FlagSet) func() error {
 		default:
 			return fmt.Errorf("--ebpf-acceleration %q: want off or auto", mode)
 		}
-		a, err := podspec.ParseAcceleration("--ebpf-default", def)
+		a, err := capture.ParseAcceleration("--ebpf-default", def)
 		if err != nil {
 			return err
 		}
@@ -90,7 +90,7 @@ type ebpfPod struct {
 // or the pod's deletion. Unavailable (off, or the node cannot run it), pods are
 // redirected as without it and the reason is in the log, /readyz and metrics.
 type EBPF struct {
-	Default    podspec.Acceleration
+	Default    capture.Acceleration
 	Namespaces []string
 	// Allowed fences acceleration to these namespaces (empty: all), annotations
 	// included: the operator's policy wins over a pod's opt-in.
@@ -159,15 +159,15 @@ func (e *EBPF) Detail() string {
 // Mode is the acceleration of a pod in namespace ns whose annotation is a (parsed
 // by the plugin; "" without one): off outside Allowed (when set), else the
 // annotation, else at least to-proxy in Namespaces, else Default.
-func (e *EBPF) Mode(ns string, a podspec.Acceleration) podspec.Acceleration {
+func (e *EBPF) Mode(ns string, a capture.Acceleration) capture.Acceleration {
 	if len(e.Allowed) > 0 && !slices.Contains(e.Allowed, ns) {
-		return podspec.AccelOff
+		return capture.AccelOff
 	}
-	if a != podspec.AccelDefault {
+	if a != capture.AccelDefault {
 		return a
 	}
 	if slices.Contains(e.Namespaces, ns) && !e.Default.On() {
-		return podspec.AccelToProxy
+		return capture.AccelToProxy
 	}
 	return e.Default
 }
@@ -189,9 +189,9 @@ func (e *EBPF) OnCommand(r *agentsock.CommandResult) {
 
 func (e *EBPF) enable(r *agentsock.CommandResult) {
 	log := e.Log.With("pod_namespace", r.Pod.Namespace, "pod_name", r.Pod.Name, "netns_cookie", r.EBPF.NetnsCookie)
-	a, err := podspec.ParseAcceleration("the plugin's eBPF mode", r.EBPF.Mode)
+	a, err := capture.ParseAcceleration("the plugin's eBPF mode", r.EBPF.Mode)
 	if r.EBPF.Mode == "" {
-		a, err = podspec.AccelDefault, nil
+		a, err = capture.AccelDefault, nil
 	}
 	if err != nil {
 		log.Warn("eBPF acceleration not enabled", "err", err)
@@ -204,7 +204,7 @@ func (e *EBPF) enable(r *agentsock.CommandResult) {
 		}
 		return
 	}
-	if err := e.accel.Enable(r.EBPF.NetnsCookie, sockmap.Pod{ProxyUID: r.EBPF.ProxyUID, ToApp: mode == podspec.AccelBoth}); err != nil {
+	if err := e.accel.Enable(r.EBPF.NetnsCookie, sockmap.Pod{ProxyUID: r.EBPF.ProxyUID, ToApp: mode == capture.AccelBoth}); err != nil {
 		log.Error("eBPF acceleration not enabled: the pod runs without it", "err", err)
 		return
 	}

@@ -12,8 +12,8 @@ import (
 	promtestutil "github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
-	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // fakeAccel is the allow-list of a *sockmap.Accel, for the agent's decisions (the
@@ -30,7 +30,7 @@ func (f *fakeAccel) Enabled(c uint64) (bool, error)       { _, ok := f.allow[c];
 func (f *fakeAccel) Stats() (sockmap.Stats, error)        { return f.stats, nil }
 func (f *fakeAccel) Close() error                         { f.closed = true; return nil }
 
-func newFakeEBPF(def podspec.Acceleration, namespaces ...string) (*EBPF, *fakeAccel) {
+func newFakeEBPF(def capture.Acceleration, namespaces ...string) (*EBPF, *fakeAccel) {
 	f := &fakeAccel{allow: map[uint64]sockmap.Pod{}}
 	return &EBPF{Default: def, Namespaces: namespaces, Log: slog.New(slog.NewTextHandler(io.Discard, nil)), accel: f, pods: map[string]ebpfPod{}}, f
 }
@@ -44,18 +44,18 @@ func add(id, ns, name, mode string, cookie uint64) *agentsock.CommandResult {
 // to-proxy, others the default.
 func TestEBPFMode(t *testing.T) {
 	for _, tt := range []struct {
-		def  podspec.Acceleration
+		def  capture.Acceleration
 		ns   string
-		ann  podspec.Acceleration
-		want podspec.Acceleration
+		ann  capture.Acceleration
+		want capture.Acceleration
 	}{
-		{podspec.AccelOff, "app", podspec.AccelDefault, podspec.AccelOff},
-		{podspec.AccelOff, "fast", podspec.AccelDefault, podspec.AccelToProxy},
-		{podspec.AccelBoth, "fast", podspec.AccelDefault, podspec.AccelBoth},
-		{podspec.AccelToProxy, "app", podspec.AccelDefault, podspec.AccelToProxy},
-		{podspec.AccelBoth, "app", podspec.AccelOff, podspec.AccelOff},
-		{podspec.AccelOff, "fast", podspec.AccelOff, podspec.AccelOff},
-		{podspec.AccelOff, "app", podspec.AccelBoth, podspec.AccelBoth},
+		{capture.AccelOff, "app", capture.AccelDefault, capture.AccelOff},
+		{capture.AccelOff, "fast", capture.AccelDefault, capture.AccelToProxy},
+		{capture.AccelBoth, "fast", capture.AccelDefault, capture.AccelBoth},
+		{capture.AccelToProxy, "app", capture.AccelDefault, capture.AccelToProxy},
+		{capture.AccelBoth, "app", capture.AccelOff, capture.AccelOff},
+		{capture.AccelOff, "fast", capture.AccelOff, capture.AccelOff},
+		{capture.AccelOff, "app", capture.AccelBoth, capture.AccelBoth},
 	} {
 		e, _ := newFakeEBPF(tt.def, "fast")
 		if got := e.Mode(tt.ns, tt.ann); got != tt.want {
@@ -68,18 +68,18 @@ func TestEBPFMode(t *testing.T) {
 // over the defaults; inside it, everything is as without a fence.
 func TestEBPFAllowedNamespaces(t *testing.T) {
 	for _, tt := range []struct {
-		def  podspec.Acceleration
+		def  capture.Acceleration
 		ns   string
-		ann  podspec.Acceleration
-		want podspec.Acceleration
+		ann  capture.Acceleration
+		want capture.Acceleration
 	}{
-		{podspec.AccelOff, "app", podspec.AccelBoth, podspec.AccelOff},
-		{podspec.AccelOff, "app", podspec.AccelToProxy, podspec.AccelOff},
-		{podspec.AccelBoth, "app", podspec.AccelDefault, podspec.AccelOff},
-		{podspec.AccelOff, "fast", podspec.AccelBoth, podspec.AccelBoth},
-		{podspec.AccelOff, "fast", podspec.AccelDefault, podspec.AccelToProxy},
-		{podspec.AccelOff, "other", podspec.AccelDefault, podspec.AccelOff},
-		{podspec.AccelOff, "other", podspec.AccelToProxy, podspec.AccelToProxy},
+		{capture.AccelOff, "app", capture.AccelBoth, capture.AccelOff},
+		{capture.AccelOff, "app", capture.AccelToProxy, capture.AccelOff},
+		{capture.AccelBoth, "app", capture.AccelDefault, capture.AccelOff},
+		{capture.AccelOff, "fast", capture.AccelBoth, capture.AccelBoth},
+		{capture.AccelOff, "fast", capture.AccelDefault, capture.AccelToProxy},
+		{capture.AccelOff, "other", capture.AccelDefault, capture.AccelOff},
+		{capture.AccelOff, "other", capture.AccelToProxy, capture.AccelToProxy},
 	} {
 		e, _ := newFakeEBPF(tt.def, "fast")
 		e.Allowed = []string{"fast", "other"}
@@ -87,7 +87,7 @@ func TestEBPFAllowedNamespaces(t *testing.T) {
 			t.Errorf("allowed fast,other; default %q, namespace %s, annotation %q: %q, want %q", tt.def, tt.ns, tt.ann, got, tt.want)
 		}
 	}
-	e, f := newFakeEBPF(podspec.AccelOff)
+	e, f := newFakeEBPF(capture.AccelOff)
 	e.Allowed = []string{"fast"}
 	e.OnCommand(add("s1", "app", "web", "both", 11))
 	if len(f.allow) != 0 {
@@ -100,7 +100,7 @@ func TestEBPFAllowedNamespaces(t *testing.T) {
 // report without details do not; the sandbox's DEL and the pod's deletion take it
 // off, a newer pod of the same name keeps its own.
 func TestEBPFEnableDisable(t *testing.T) {
-	e, f := newFakeEBPF(podspec.AccelOff)
+	e, f := newFakeEBPF(capture.AccelOff)
 	e.OnCommand(add("s1", "app", "web", "both", 11))
 	e.OnCommand(add("s2", "app", "plain", "", 12))
 	failed := add("s3", "app", "broken", "to-proxy", 13)
@@ -151,7 +151,7 @@ func equalAllow(a, b map[uint64]sockmap.Pod) bool {
 
 // TestEBPFMetrics: the counters are read from Stats at each scrape.
 func TestEBPFMetrics(t *testing.T) {
-	e, f := newFakeEBPF(podspec.AccelToProxy)
+	e, f := newFakeEBPF(capture.AccelToProxy)
 	e.OnCommand(add("s1", "app", "web", "", 11))
 	f.stats = sockmap.Stats{Sockets: 2, Recorded: 4, Messages: 7, Bytes: 4096, Misses: 1}
 	m := NewMetrics()
@@ -239,7 +239,7 @@ func TestEBPFFlags(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.EBPF != EBPFAuto || c.EBPFDefault != podspec.AccelBoth || strings.Join(c.EBPFNamespaces, "|") != "a|b" {
+	if c.EBPF != EBPFAuto || c.EBPFDefault != capture.AccelBoth || strings.Join(c.EBPFNamespaces, "|") != "a|b" {
 		t.Errorf("config %q %q %q", c.EBPF, c.EBPFDefault, c.EBPFNamespaces)
 	}
 	if _, err := ParseFlags(e.args(), func(string) string { return "" }, io.Discard); err != nil {

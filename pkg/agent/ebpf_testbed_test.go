@@ -12,14 +12,14 @@ import (
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 
-	"github.com/meshcni/meshcni/internal/agenttest"
-	"github.com/meshcni/meshcni/internal/proxysim"
-	"github.com/meshcni/meshcni/internal/testbed"
-	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	"github.com/meshcni/meshcni/internal/standin/proxysim"
+	"github.com/meshcni/meshcni/internal/testkit/agenttest"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/traffic"
 	"github.com/meshcni/meshcni/pkg/agentsock"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
-	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // ebpfDst is an outbound destination of the meshed pods: captured to 15001, where
@@ -50,8 +50,8 @@ func TestEBPFOnTestbed(t *testing.T) {
 		t.Fatalf("meshcni_ebpf_available %v; /readyz %q", v, body)
 	}
 
-	fast := startMeshed(ctx, t, tb, "ebpf-fast", podspec.AccelToProxy)
-	plain := startMeshed(ctx, t, tb, "ebpf-plain", podspec.AccelDefault)
+	fast := startMeshed(ctx, t, tb, "ebpf-fast", capture.AccelToProxy)
+	plain := startMeshed(ctx, t, tb, "ebpf-plain", capture.AccelDefault)
 	cookie, err := sockmap.NetnsCookie(fast)
 	if err != nil {
 		t.Fatal(err)
@@ -123,7 +123,7 @@ func TestEBPFOnTestbed(t *testing.T) {
 	if err != nil || !ready || !strings.Contains(body, "ebpf acceleration: unavailable: eBPF acceleration unavailable: forced by setting: test bed: simulated old kernel") {
 		t.Fatalf("/readyz ready=%v err=%v body=%q", ready, err, body)
 	}
-	fallback := startMeshed(ctx, t, tb, "ebpf-fallback", podspec.AccelBoth)
+	fallback := startMeshed(ctx, t, tb, "ebpf-fallback", capture.AccelBoth)
 	sendToProxy(t, fallback, n)
 	if _, err := os.Stat(pins); !os.IsNotExist(err) {
 		t.Errorf("pins %s exist while unavailable (stat: %v)", pins, err)
@@ -151,11 +151,11 @@ func askAgent(ctx context.Context, t *testing.T, runDir string, cookie uint64) *
 
 // startMeshed runs a meshed pod with the annotation (AccelDefault: none), waits
 // until it runs and returns its netns.
-func startMeshed(ctx context.Context, t *testing.T, tb *testbed.Testbed, name string, a podspec.Acceleration) string {
+func startMeshed(ctx context.Context, t *testing.T, tb *testbed.Testbed, name string, a capture.Acceleration) string {
 	t.Helper()
 	p := meshedPod(name)
-	if a != podspec.AccelDefault {
-		p.Annotations[podspec.AnnotationEBPFAcceleration] = string(a)
+	if a != capture.AccelDefault {
+		p.Annotations[capture.AnnotationEBPFAcceleration] = string(a)
 	}
 	if _, err := tb.CreatePod(ctx, p); err != nil {
 		t.Fatal(err)

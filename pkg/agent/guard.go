@@ -12,7 +12,6 @@ import (
 
 	"github.com/fsnotify/fsnotify"
 
-	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
 	"github.com/meshcni/meshcni/pkg/install"
 )
 
@@ -24,7 +23,7 @@ import (
 // (left half-written by another writer) is never written: the guard reports it once
 // per episode and picks up again when the file is valid.
 type Guard struct {
-	Conf       confdir.Options
+	Conf       install.ConflistOptions
 	Binary     *install.Binary
 	Kubeconfig *install.Kubeconfig
 
@@ -104,7 +103,7 @@ func (g *Guard) Ready() error {
 	if err := g.Kubeconfig.Check(); err != nil {
 		errs = append(errs, fmt.Errorf("kubeconfig: %w", err))
 	}
-	if _, err := confdir.Check(g.Conf); err != nil {
+	if _, err := install.CheckConflist(g.Conf); err != nil {
 		errs = append(errs, fmt.Errorf("config: %w", err))
 	}
 	err := errors.Join(errs...)
@@ -336,16 +335,16 @@ func (g *Guard) outcome(p part, changed bool, err error, msg string, args ...any
 }
 
 func (g *Guard) reconcileConf() {
-	res, err := confdir.Install(g.Conf)
+	res, err := install.InstallConflist(g.Conf)
 	// Skipped is complete once the directory was read: on success, with no primary,
 	// or with the named primary invalid (another error says nothing of the files).
-	if pinned := errors.Is(err, confdir.ErrInvalid); err == nil || pinned || errors.Is(err, confdir.ErrNoPrimary) {
+	if pinned := errors.Is(err, install.ErrInvalid); err == nil || pinned || errors.Is(err, install.ErrNoPrimary) {
 		g.noteInvalid(res.Skipped, res.Path, pinned)
 	}
-	if errors.Is(err, confdir.ErrInvalid) || errors.Is(err, confdir.ErrNoPrimary) && len(res.Skipped) > 0 {
+	if errors.Is(err, install.ErrInvalid) || errors.Is(err, install.ErrNoPrimary) && len(res.Skipped) > 0 {
 		return // reported by noteInvalid; nothing written
 	}
-	if errors.Is(err, confdir.ErrNoPrimary) {
+	if errors.Is(err, install.ErrNoPrimary) {
 		g.mu.Lock()
 		if g.lastErr == nil {
 			g.lastErr = map[part]string{}
@@ -435,9 +434,9 @@ func (g *Guard) noteReinjection(file string) {
 // reads them before the primary, or the named primary itself). A file's episode
 // starts when it is first found invalid: one warning, one Event, the episode counter;
 // the gauge is 1 until the file is valid again (or gone), which is logged once too.
-func (g *Guard) noteInvalid(skipped []confdir.Skipped, primary string, pinned bool) {
+func (g *Guard) noteInvalid(skipped []install.Skipped, primary string, pinned bool) {
 	now := map[string]bool{}
-	var started []confdir.Skipped
+	var started []install.Skipped
 	g.mu.Lock()
 	for _, s := range skipped {
 		now[s.Path] = true
@@ -475,7 +474,7 @@ func (g *Guard) noteInvalid(skipped []confdir.Skipped, primary string, pinned bo
 
 // invalidMessage says what an invalid file means for the node's next pods and what
 // the agent does about it.
-func invalidMessage(s confdir.Skipped, primary string, pinned bool) string {
+func invalidMessage(s install.Skipped, primary string, pinned bool) string {
 	msg := fmt.Sprintf("CNI configuration %s is invalid, left alone (%v): meshcni does not write it and removes nothing until it is valid again", s.Path, s.Err)
 	switch {
 	case pinned:
@@ -488,7 +487,7 @@ func invalidMessage(s confdir.Skipped, primary string, pinned bool) string {
 }
 
 func otherFiles(dir, except string) []string {
-	files, err := confdir.ListFiles(dir)
+	files, err := install.ListFiles(dir)
 	if err != nil {
 		return nil
 	}
@@ -506,14 +505,14 @@ func otherFiles(dir, except string) []string {
 // unseen: the binary and kubeconfig that entry needs are then kept.
 func (g *Guard) Uninstall() error {
 	var errs []error
-	changed, err := confdir.Uninstall(g.Conf)
+	changed, err := install.UninstallConflist(g.Conf)
 	if err != nil {
 		errs = append(errs, err)
 	}
 	for _, f := range changed {
 		g.Log.Info("removed meshcni's configuration", "path", f)
 	}
-	if errors.Is(err, confdir.ErrInvalid) {
+	if errors.Is(err, install.ErrInvalid) {
 		g.Log.Warn("kept the plugin binary and kubeconfig: a CNI configuration list does not parse and may hold meshcni's entry; remove them by hand once it is valid and without the entry",
 			"binary", g.Binary.Dst, "kubeconfig", g.Kubeconfig.Path, "err", err.Error())
 		if g.Metrics != nil {

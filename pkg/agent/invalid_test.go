@@ -12,7 +12,7 @@ import (
 
 	promtestutil "github.com/prometheus/client_golang/prometheus/testutil"
 
-	"github.com/meshcni/meshcni/pkg/cniconf/confdir"
+	"github.com/meshcni/meshcni/pkg/install"
 	"github.com/meshcni/meshcni/pkg/podget"
 )
 
@@ -157,7 +157,7 @@ func TestUninstallKeepsPluginForInvalidList(t *testing.T) {
 		return nil
 	})
 	err = r.stop()
-	if !errors.Is(err, confdir.ErrInvalid) || !strings.Contains(err.Error(), primary) {
+	if !errors.Is(err, install.ErrInvalid) || !strings.Contains(err.Error(), primary) {
 		t.Errorf("stop = %v, want an ErrInvalid naming %s", err, primary)
 	}
 	if got, _ := os.ReadFile(primary); !bytes.Equal(got, half) {

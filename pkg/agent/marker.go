@@ -16,8 +16,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 )
 
 // The marker's label: `kubectl get pods -L meshcni.io/redirected` shows which pods
@@ -31,14 +31,14 @@ const (
 // Marker labels each pod the plugin redirected with RedirectedLabel=true. The plugin
 // writes nothing to the API: the agent learns of each successful ADD from the result
 // the plugin reports on the agent socket (Observe), finds the pod in its cache of the
-// node's pods, and labels it when podspec.Decide says it is meshed with the plugin's
+// node's pods, and labels it when capture.Decide says it is meshed with the plugin's
 // configuration (Mesh) — for such a pod ADD succeeds only once the redirect is in
 // place, since the plugin fails closed. The patch names the cached pod's UID, so a
 // later pod of the same name is never labelled for an earlier one's ADD.
 type Marker struct {
 	Client kubernetes.Interface
 	Pods   PodSource
-	Mesh   podspec.Config
+	Mesh   capture.Config
 	Log    *slog.Logger
 	// Wait bounds how long a pod is looked for in the cache after its ADD (10 s when
 	// zero); Poll is the look's period (100 ms when zero).
@@ -56,7 +56,7 @@ const MarkerQueue = 1024
 
 // NewMarker returns a Marker with its metric meshcni_agent_redirected_marks_total
 // registered in reg.
-func NewMarker(cs kubernetes.Interface, pods PodSource, mesh podspec.Config, log *slog.Logger, reg prometheus.Registerer) (*Marker, error) {
+func NewMarker(cs kubernetes.Interface, pods PodSource, mesh capture.Config, log *slog.Logger, reg prometheus.Registerer) (*Marker, error) {
 	m := &Marker{Client: cs, Pods: pods, Mesh: mesh, Log: log, queue: make(chan agentsock.Pod, MarkerQueue)}
 	m.metrics = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "meshcni_agent_redirected_marks_total",
@@ -185,11 +185,11 @@ const (
 )
 
 // MarkAction says what the marker does to a pod whose ADD succeeded: label it when
-// podspec.Decide (the plugin's decision) says it is meshed and it is not labelled
+// capture.Decide (the plugin's decision) says it is meshed and it is not labelled
 // yet; the reason says why not otherwise.
-func MarkAction(pod *corev1.Pod, mesh podspec.Config) (MarkAct, string) {
-	d := podspec.Decide(corepod.From(pod), mesh)
-	if !d.Meshed {
+func MarkAction(pod *corev1.Pod, mesh capture.Config) (MarkAct, string) {
+	d := capture.Decide(k8spod.From(pod), mesh)
+	if !d.Captured() {
 		return MarkNone, d.Reason
 	}
 	if pod.Labels[RedirectedLabel] == RedirectedValue {

@@ -7,8 +7,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 )
 
 // PodSource is the agent's cache of its node's pods (*nodepods.Cache).
@@ -38,8 +38,8 @@ func AnswerPod(pods PodSource, req agentsock.PodRequest) (agentsock.PodResponse,
 	if !ok {
 		return agentsock.PodResponse{Reason: "pod not in the agent's cache of this node's pods"}, nil
 	}
-	p := corepod.From(pod)
-	if !podspec.IsRuntimePod(p, req.UID) {
+	p := k8spod.From(pod)
+	if !capture.IsRuntimePod(p, req.UID) {
 		return agentsock.PodResponse{Reason: fmt.Sprintf("the cached pod has UID %s, not %s", pod.UID, req.UID)}, nil
 	}
 	b, err := json.Marshal(p)

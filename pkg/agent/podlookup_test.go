@@ -9,13 +9,13 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/meshcni/meshcni/pkg/agent/nodepods"
 	"github.com/meshcni/meshcni/pkg/agentsock"
-	"github.com/meshcni/meshcni/pkg/nodepods"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 )
 
-// mapPods is a PodSource for this pure-logic test (the real cache, pkg/nodepods, is
+// mapPods is a PodSource for this pure-logic test (the real cache, pkg/agent/nodepods, is
 // exercised against the test bed's API server in pkg/plugin's TestAgentPodLookup).
 type mapPods struct {
 	synced bool
@@ -31,7 +31,7 @@ func (m *mapPods) Get(ns, name string) (*corev1.Pod, bool) {
 func TestAnswerPod(t *testing.T) {
 	web := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "app", Name: "web", UID: "u-web"}}
 	static := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "kube-system", Name: "etcd-n1", UID: "u-mirror",
-		Annotations: map[string]string{podspec.AnnotationMirror: "u-static"}}}
+		Annotations: map[string]string{capture.AnnotationMirror: "u-static"}}}
 	synced := &mapPods{synced: true, pods: map[string]*corev1.Pod{"app/web": web, "kube-system/etcd-n1": static}}
 	unsynced := &mapPods{pods: synced.pods}
 	for _, tc := range []struct {
@@ -68,7 +68,7 @@ func TestAnswerPod(t *testing.T) {
 				}
 				return
 			}
-			var p podspec.Pod
+			var p capture.Pod
 			if !resp.Found || json.Unmarshal(resp.Pod, &p) != nil || p.UID != tc.wantUID || p.Name != tc.req.Name {
 				t.Fatalf("got %+v, want pod %s with UID %s", resp, tc.req.Name, tc.wantUID)
 			}
@@ -77,8 +77,8 @@ func TestAnswerPod(t *testing.T) {
 }
 
 // TestAnswerPodKeepsWhatThePluginDecidesOn: the pod the agent answers with, taken from
-// the cache (which trims it, nodepods.Trim) and sent as the JSON of a podspec.Pod,
-// decodes to exactly what podspec reads of the API's pod, and the plugin's decision
+// the cache (which trims it, nodepods.Trim) and sent as the JSON of a capture.Pod,
+// decodes to exactly what capture reads of the API's pod, and the plugin's decision
 // and spec from it equal those from the pod as the API server returns it: an answer from the agent never changes a redirect.
 func TestAnswerPodKeepsWhatThePluginDecidesOn(t *testing.T) {
 	uid := int64(1337)
@@ -87,19 +87,19 @@ func TestAnswerPodKeepsWhatThePluginDecidesOn(t *testing.T) {
 		ObjectMeta: metav1.ObjectMeta{Namespace: "app", Name: "web", UID: "u-web",
 			Labels: map[string]string{"app": "web"},
 			Annotations: map[string]string{
-				podspec.AnnotationStatus:                  `{"containers":["istio-proxy"],"initContainers":["istio-validation"]}`,
-				podspec.AnnotationInterceptionMode:        "TPROXY",
-				podspec.AnnotationIncludeInboundPorts:     "8080",
-				podspec.AnnotationExcludeOutboundPorts:    "9000,9001",
-				podspec.AnnotationExcludeOutboundIPRanges: "10.96.0.1/32",
-				podspec.AnnotationExcludeInterfaces:       "eth9",
-				podspec.AnnotationKubevirtInterfaces:      "net1",
+				capture.AnnotationStatus:                  `{"containers":["istio-proxy"],"initContainers":["istio-validation"]}`,
+				capture.AnnotationInterceptionMode:        "TPROXY",
+				capture.AnnotationIncludeInboundPorts:     "8080",
+				capture.AnnotationExcludeOutboundPorts:    "9000,9001",
+				capture.AnnotationExcludeOutboundIPRanges: "10.96.0.1/32",
+				capture.AnnotationExcludeInterfaces:       "eth9",
+				capture.AnnotationKubevirtInterfaces:      "net1",
 			},
 			ManagedFields: []metav1.ManagedFieldsEntry{{Manager: "kubectl", Operation: metav1.ManagedFieldsOperationApply}},
 		},
 		Spec: corev1.PodSpec{
 			NodeName: "n1",
-			InitContainers: []corev1.Container{{Name: podspec.ProxyContainer, Image: "docker.io/istio/proxyv2:1.27.0",
+			InitContainers: []corev1.Container{{Name: capture.ProxyContainer, Image: "docker.io/istio/proxyv2:1.27.0",
 				RestartPolicy: &always,
 				Args:          []string{"proxy", "sidecar", "--domain", "app.svc.cluster.local"},
 				Env: []corev1.EnvVar{{Name: "ISTIO_META_DNS_CAPTURE", Value: "true"},
@@ -118,24 +118,24 @@ func TestAnswerPodKeepsWhatThePluginDecidesOn(t *testing.T) {
 	if err != nil || !resp.Found {
 		t.Fatalf("AnswerPod = %+v, %v", resp, err)
 	}
-	var got podspec.Pod
+	var got capture.Pod
 	if err := json.Unmarshal(resp.Pod, &got); err != nil {
 		t.Fatal(err)
 	}
-	// The answer holds everything podspec reads of the API's pod: the cache's trim
-	// keeps it, the JSON of podspec.Pod carries it.
-	if fromAPI := corepod.From(api); !reflect.DeepEqual(&got, fromAPI) {
+	// The answer holds everything capture reads of the API's pod: the cache's trim
+	// keeps it, the JSON of capture.Pod carries it.
+	if fromAPI := k8spod.From(api); !reflect.DeepEqual(&got, fromAPI) {
 		t.Fatalf("answered pod differs from the API's:\n%+v\n%+v", &got, fromAPI)
 	}
-	cfg := podspec.Config{}
-	if a, b := podspec.Decide(corepod.From(api), cfg), podspec.Decide(&got, cfg); a != b || !a.Meshed {
+	cfg := capture.Config{}
+	if a, b := capture.Decide(k8spod.From(api), cfg), capture.Decide(&got, cfg); a != b || !a.Captured() {
 		t.Fatalf("decision from the API's pod %+v, from the agent's %+v (want equal and meshed)", a, b)
 	}
-	want, err := podspec.Build(corepod.From(api))
+	want, err := capture.Build(k8spod.From(api))
 	if err != nil {
 		t.Fatal(err)
 	}
-	have, err := podspec.Build(&got)
+	have, err := capture.Build(&got)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,9 +9,9 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/audit"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/repair"
 )
 
@@ -82,7 +82,7 @@ func (c *Config) RepairPolicy() (repair.Policy, error) {
 		Node:     c.NodeName,
 		Action:   c.RepairAction,
 		LabelKey: c.RepairLabelKey,
-		Mesh:     podspec.Config{ExcludeNamespaces: c.ExcludeNamespaces, AgentNamespace: c.PodNamespace, IPv6: c.IPv6},
+		Mesh:     capture.Config{ExcludeNamespaces: c.ExcludeNamespaces, AgentNamespace: c.PodNamespace, IPv6: c.IPv6},
 		Criteria: repair.Criteria{InitContainer: c.RepairInitContainer},
 	}
 	var err error
@@ -201,7 +201,7 @@ func (a *Agent) heal(k *Kube) (*heal.Evictor, error) {
 }
 
 // meshedPods counts the node's meshed pods (the eviction fraction's base).
-func (a *Agent) meshedPods(mesh podspec.Config) func() int {
+func (a *Agent) meshedPods(mesh capture.Config) func() int {
 	return func() int {
 		if a.Pods == nil {
 			return 0

@@ -12,9 +12,9 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/sandboxstate"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -48,7 +48,7 @@ const (
 type Sandboxes struct {
 	Dir  string
 	Pods PodSource // nil: no spec is recorded and nothing collected
-	Mesh podspec.Config
+	Mesh capture.Config
 	Log  *slog.Logger
 
 	mu     sync.Mutex
@@ -146,7 +146,7 @@ func (s *Sandboxes) cached(namespace, name, uid string) *corev1.Pod {
 		return nil
 	}
 	pod, ok := s.Pods.Get(namespace, name)
-	if !ok || (uid != "" && !podspec.IsRuntimePod(corepod.From(pod), uid)) {
+	if !ok || (uid != "" && !capture.IsRuntimePod(k8spod.From(pod), uid)) {
 		return nil // the cache holds another pod of that name
 	}
 	return pod
@@ -157,8 +157,8 @@ func (s *Sandboxes) spec(pod *corev1.Pod) (*spec.Spec, bool) {
 	if pod == nil {
 		return nil, false
 	}
-	p := corepod.From(pod)
-	if !podspec.Decide(p, s.Mesh).Meshed {
+	p := k8spod.From(pod)
+	if !capture.Decide(p, s.Mesh).Captured() {
 		return nil, false
 	}
 	res, err := s.Mesh.Build(p)
@@ -204,7 +204,7 @@ func (s *Sandboxes) Applied(pod *corev1.Pod) (*spec.Spec, bool) {
 	if err != nil {
 		return nil, false
 	}
-	podspec.WithFamilies(e.Spec, ips)
+	capture.WithFamilies(e.Spec, ips)
 	return e.Spec, true
 }
 
@@ -346,7 +346,7 @@ func (e *EBPF) SandboxGone(id string) {
 }
 
 // enabled records the cookie of a sandbox EBPF enabled.
-func (s *Sandboxes) enabled(id string, p ebpfPod, mode podspec.Acceleration) {
+func (s *Sandboxes) enabled(id string, p ebpfPod, mode capture.Acceleration) {
 	st := s.get()
 	if st == nil {
 		return

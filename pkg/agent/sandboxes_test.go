@@ -15,21 +15,21 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/audit"
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/ebpf/sockmap"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/sandboxstate"
 )
 
 // statePod is a meshed pod of the node's cache, running with an IP.
 func statePod(name string, ann map[string]string) *corev1.Pod {
-	a := map[string]string{podspec.AnnotationStatus: `{"containers":["istio-proxy"]}`}
+	a := map[string]string{capture.AnnotationStatus: `{"containers":["istio-proxy"]}`}
 	for k, v := range ann {
 		a[k] = v
 	}
 	return &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Namespace: "app", Name: name, UID: types.UID("uid-" + name), Annotations: a},
-		Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "app"}, {Name: podspec.ProxyContainer, Args: []string{"proxy", "sidecar"}}}},
+		Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "app"}, {Name: capture.ProxyContainer, Args: []string{"proxy", "sidecar"}}}},
 		Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.5", PodIPs: []corev1.PodIP{{IP: "10.1.0.5"}}},
 	}
 }
@@ -45,7 +45,7 @@ func startLife(t *testing.T, dir string, f *fakeAccel, pods *mapPods) agentLife 
 	t.Helper()
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	s := &Sandboxes{Dir: dir, Pods: pods, Log: log}
-	e := &EBPF{Default: podspec.AccelOff, Log: log, accel: f, pods: map[string]ebpfPod{}, state: s}
+	e := &EBPF{Default: capture.AccelOff, Log: log, accel: f, pods: map[string]ebpfPod{}, state: s}
 	if st := s.Open(); st != nil {
 		e.restore(st.List())
 	} else {
@@ -62,7 +62,7 @@ func (l agentLife) cmd(r *agentsock.CommandResult) {
 
 func hashFor(t *testing.T, pod *corev1.Pod) string {
 	t.Helper()
-	res, err := podspec.Config{}.ForPod(corepod.From(pod), []netip.Addr{netip.MustParseAddr(pod.Status.PodIP)})
+	res, err := capture.Config{}.ForPod(k8spod.From(pod), []netip.Addr{netip.MustParseAddr(pod.Status.PodIP)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -88,7 +88,7 @@ func TestSandboxesAcrossRestart(t *testing.T) {
 	applied := hashFor(t, web)
 
 	// The agent is down; the annotations change.
-	changed := statePod("web", map[string]string{podspec.AnnotationExcludeOutboundPorts: "8080"})
+	changed := statePod("web", map[string]string{capture.AnnotationExcludeOutboundPorts: "8080"})
 	pods.pods["app/web"] = changed
 	if hashFor(t, changed) == applied {
 		t.Fatal("the changed annotation gives the same spec")
@@ -156,7 +156,7 @@ func TestSandboxesGC(t *testing.T) {
 // another pod than the cached one, records no spec.
 func TestSandboxesNotMeshed(t *testing.T) {
 	plain := statePod("plain", nil)
-	delete(plain.Annotations, podspec.AnnotationStatus)
+	delete(plain.Annotations, capture.AnnotationStatus)
 	pods := &mapPods{synced: true, pods: map[string]*corev1.Pod{"app/plain": plain, "app/web": statePod("web", nil)}}
 	l := startLife(t, t.TempDir(), &fakeAccel{allow: map[uint64]sockmap.Pod{}}, pods)
 	l.cmd(&agentsock.CommandResult{Command: agentsock.CommandAdd, Result: agentsock.ResultSuccess, ContainerID: "sb-plain", Pod: agentsock.Pod{Namespace: "app", Name: "plain"}})
@@ -175,7 +175,7 @@ func TestSandboxesNotMeshed(t *testing.T) {
 // (without one), and survives the agent's restart; a report whose netns identity
 // could not be read records none.
 func TestSandboxesRecordDecision(t *testing.T) {
-	none := statePod("none", map[string]string{podspec.AnnotationInterceptionMode: "NONE"})
+	none := statePod("none", map[string]string{capture.AnnotationInterceptionMode: "NONE"})
 	pods := &mapPods{synced: true, pods: map[string]*corev1.Pod{"app/none": none, "app/web": statePod("web", nil)}}
 	dir := t.TempDir()
 	l := startLife(t, dir, &fakeAccel{allow: map[uint64]sockmap.Pod{}}, pods)

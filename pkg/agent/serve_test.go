@@ -17,7 +17,7 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
-	"github.com/meshcni/meshcni/internal/agenttest"
+	"github.com/meshcni/meshcni/internal/testkit/agenttest"
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/fileutil"
 )

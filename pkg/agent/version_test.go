@@ -6,7 +6,7 @@ import (
 	"runtime"
 	"testing"
 
-	"github.com/meshcni/meshcni/internal/agenttest"
+	"github.com/meshcni/meshcni/internal/testkit/agenttest"
 	"github.com/meshcni/meshcni/pkg/fileutil"
 )
 

@@ -162,7 +162,7 @@ type PodRequest struct {
 // PodResponse answers a RequestPod. Found is false when the cache cannot answer
 // (the agent has no API access, its cache is not synced yet, the pod is not in it,
 // or it has another UID); Reason then says which, and the plugin asks the API server.
-// Pod is the pod as the JSON of a podspec.Pod (the fields meshcni reads, with the
+// Pod is the pod as the JSON of a capture.Pod (the fields meshcni reads, with the
 // Kubernetes API's field names), which the plugin decodes without linking any
 // Kubernetes package. The agentsock package itself stays free of Kubernetes packages.
 type PodResponse struct {

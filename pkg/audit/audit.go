@@ -15,10 +15,10 @@ import (
 	"k8s.io/client-go/tools/record"
 
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -56,7 +56,7 @@ const (
 	Spread = 0.75
 )
 
-// Pods is the node's pod cache (pkg/nodepods.Cache).
+// Pods is the node's pod cache (pkg/agent/nodepods.Cache).
 type Pods interface {
 	List() []*corev1.Pod
 	Get(namespace, name string) (*corev1.Pod, bool)
@@ -168,7 +168,7 @@ type Options struct {
 	// Node is this agent's node ("": every pod Pods lists).
 	Node string
 	// Mesh decides which pods are meshed (the agent's excluded namespaces, IPv6 mode).
-	Mesh podspec.Config
+	Mesh capture.Config
 	// Backend is the engine backend (the agent's --backend).
 	Backend backend.Kind
 	// Period between rounds (jittered by ±Jitter); 0: one round at start only, then

@@ -12,7 +12,7 @@
 //     never a bare or mirror pod, the node's budget and circuit breaker) so its
 //     controller recreates it through the chain.
 //
-// Pods the plugin deliberately skips (podspec.Decide) are never touched. The spec a
+// Pods the plugin deliberately skips (capture.Decide) are never touched. The spec a
 // pod was redirected with is remembered (first audit, or the last repair; across
 // the agent's restarts through Options.Applied, which the agent fills at the
 // sandbox's ADD): a later change of its annotations is reported, not applied
@@ -40,10 +40,10 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/meshcni/meshcni/pkg/capture"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/heal"
-	"github.com/meshcni/meshcni/pkg/podspec"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/sandboxstate"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -97,13 +97,13 @@ func MetricReasons() []engine.Reason {
 
 // Audited says whether the audit looks at pod, and why not. It looks at pods of
 // node (any, when node is ""), running, not being deleted, not on the host network,
-// with an IP, that the plugin redirects (podspec.Decide with mesh: the pod's
+// with an IP, that the plugin redirects (capture.Decide with mesh: the pod's
 // current annotations; the Auditor asks the sandbox's record first, Decided).
-func Audited(pod *corev1.Pod, node string, mesh podspec.Config) (bool, string) {
+func Audited(pod *corev1.Pod, node string, mesh capture.Config) (bool, string) {
 	if ok, why := eligible(pod, node); !ok {
 		return false, why
 	}
-	if d := podspec.Decide(corepod.From(pod), mesh); !d.Meshed {
+	if d := capture.Decide(k8spod.From(pod), mesh); !d.Captured() {
 		return false, "not meshed: " + d.Reason
 	}
 	return true, ""

@@ -8,16 +8,16 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/sandboxstate"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
 func pod() *corev1.Pod {
 	return &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Namespace: "app", Name: "web", Annotations: map[string]string{podspec.AnnotationStatus: "{}"}},
-		Spec:       corev1.PodSpec{NodeName: "n1", Containers: []corev1.Container{{Name: podspec.ProxyContainer}}},
+		ObjectMeta: metav1.ObjectMeta{Namespace: "app", Name: "web", Annotations: map[string]string{capture.AnnotationStatus: "{}"}},
+		Spec:       corev1.PodSpec{NodeName: "n1", Containers: []corev1.Container{{Name: capture.ProxyContainer}}},
 		Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.0.0.5"},
 	}
 }
@@ -36,13 +36,13 @@ func TestAudited(t *testing.T) {
 		{"pending", func(p *corev1.Pod) { p.Status.Phase = corev1.PodPending }, false},
 		{"no IP", func(p *corev1.Pod) { p.Status.PodIP = "" }, false},
 		{"skipped by the plugin: not injected", func(p *corev1.Pod) { p.Annotations = nil }, false},
-		{"skipped by the plugin: inject=false", func(p *corev1.Pod) { p.Labels = map[string]string{podspec.AnnotationInject: "false"} }, false},
-		{"skipped by the plugin: istio-init", func(p *corev1.Pod) { p.Spec.InitContainers = []corev1.Container{{Name: podspec.InitContainer}} }, false},
+		{"skipped by the plugin: inject=false", func(p *corev1.Pod) { p.Labels = map[string]string{capture.AnnotationInject: "false"} }, false},
+		{"skipped by the plugin: istio-init", func(p *corev1.Pod) { p.Spec.InitContainers = []corev1.Container{{Name: capture.InitContainer}} }, false},
 		{"skipped by the plugin: excluded namespace", func(p *corev1.Pod) { p.Namespace = "kube-system" }, false},
 	} {
 		p := pod()
 		tc.mut(p)
-		if got, why := Audited(p, "n1", podspec.Config{ExcludeNamespaces: []string{"kube-system"}}); got != tc.want {
+		if got, why := Audited(p, "n1", capture.Config{ExcludeNamespaces: []string{"kube-system"}}); got != tc.want {
 			t.Errorf("%s: %v (%s), want %v", tc.name, got, why, tc.want)
 		}
 	}

@@ -7,10 +7,10 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/kubernetes/fake"
 
-	itestutil "github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/internal/traffic"
+	itestutil "github.com/meshcni/meshcni/internal/testkit/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/traffic"
 	"github.com/meshcni/meshcni/pkg/audit"
-	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/sandboxstate"
 )
 
@@ -47,9 +47,9 @@ func TestSkippedAtAddNeverEscaped(t *testing.T) {
 		{"no record: escaped", decisions{}, audit.Evicted},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			pod := owned(meshedPod("none", traffic.PodIPv4.String(), map[string]string{podspec.AnnotationInterceptionMode: "NONE"}))
+			pod := owned(meshedPod("none", traffic.PodIPv4.String(), map[string]string{capture.AnnotationInterceptionMode: "NONE"}))
 			pod.Spec.InitContainers = nil // Istio's injector adds no istio-validation to a NONE pod
-			delete(pod.Annotations, podspec.AnnotationInterceptionMode)
+			delete(pod.Annotations, capture.AnnotationInterceptionMode)
 			client := fake.NewClientset(pod)
 			p := &pods{list: []*corev1.Pod{pod}}
 			a, rec, m := newAuditor(t, p, &netnsByName{paths: map[string]string{"none": net.NetNS}}, func(o *audit.Options) {

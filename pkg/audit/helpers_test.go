@@ -21,10 +21,10 @@ import (
 	"k8s.io/client-go/tools/record"
 
 	"github.com/meshcni/meshcni/pkg/audit"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // pods is a pod source for the auditor (the agent's is the node's informer cache).
@@ -99,7 +99,7 @@ const node = "node-a"
 
 // meshedPod is an injected pod as Istio writes it, running on node, with ip.
 func meshedPod(name, ip string, annotations map[string]string) *corev1.Pod {
-	ann := map[string]string{podspec.AnnotationStatus: `{"containers":["istio-proxy"]}`}
+	ann := map[string]string{capture.AnnotationStatus: `{"containers":["istio-proxy"]}`}
 	for k, v := range annotations {
 		ann[k] = v
 	}
@@ -108,7 +108,7 @@ func meshedPod(name, ip string, annotations map[string]string) *corev1.Pod {
 		Spec: corev1.PodSpec{
 			NodeName:       node,
 			InitContainers: []corev1.Container{{Name: "istio-validation", Image: "proxyv2"}},
-			Containers:     []corev1.Container{{Name: "app", Image: "app"}, {Name: podspec.ProxyContainer, Image: "proxyv2", Args: []string{"proxy", "sidecar"}}},
+			Containers:     []corev1.Container{{Name: "app", Image: "app"}, {Name: capture.ProxyContainer, Image: "proxyv2", Args: []string{"proxy", "sidecar"}}},
 		},
 		Status: corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}}},
 	}

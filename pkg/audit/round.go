@@ -14,10 +14,10 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/sandboxstate"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -107,7 +107,7 @@ func jittered(p time.Duration) time.Duration {
 	return p + time.Duration((rand.Float64()*2-1)*Jitter*float64(p))
 }
 
-// WaitForSync is what Run waits for before the first round (pkg/nodepods.Cache).
+// WaitForSync is what Run waits for before the first round (pkg/agent/nodepods.Cache).
 type syncer interface {
 	WaitForSync(ctx context.Context) bool
 }
@@ -281,7 +281,7 @@ func (a *Auditor) spec(pod *corev1.Pod) (*spec.Spec, error) {
 	if err != nil {
 		return nil, err
 	}
-	res, err := a.o.Mesh.ForPod(corepod.From(pod), ips)
+	res, err := a.o.Mesh.ForPod(k8spod.From(pod), ips)
 	if err != nil {
 		return nil, fmt.Errorf("redirect spec: %w", err)
 	}

@@ -1,5 +1,8 @@
-// Package install puts the meshcni plugin's files on the node: its binary in the CNI
-// bin directory and its kubeconfig in the agent's run directory.
+// Package install puts the meshcni plugin's files on the node and takes them off again:
+// its binaries in the CNI bin directory (Binary), its kubeconfig in the agent's run
+// directory (Kubeconfig, from the in-cluster credentials, a file or a minted token) and
+// its entry in the node's CNI configuration (InstallConflist). Each has Install, Check
+// and Remove; the agent's guard (pkg/agent) is the watch loop that calls them.
 package install
 
 import (
@@ -12,7 +15,6 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
-	"syscall"
 
 	"github.com/meshcni/meshcni/pkg/fileutil"
 )
@@ -29,6 +31,8 @@ type Binary struct {
 	cache map[string]hashed // path → last hash, valid while the file's identity holds
 }
 
+// fileID is a file's identity (device, inode, size, mtime): a cached hash or read
+// holds while it does.
 type fileID struct {
 	dev, ino uint64
 	size     int64
@@ -57,10 +61,7 @@ func (b *Binary) hash(path string) ([sha256.Size]byte, fileID, error) {
 	if !fi.Mode().IsRegular() {
 		return sum, fileID{}, fmt.Errorf("%s is not a regular file", path)
 	}
-	id := fileID{size: fi.Size(), mtime: fi.ModTime().UnixNano()}
-	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-		id.dev, id.ino = uint64(st.Dev), st.Ino
-	}
+	id := idOf(fi)
 	b.mu.Lock()
 	c, ok := b.cache[path]
 	b.mu.Unlock()

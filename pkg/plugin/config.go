@@ -14,9 +14,9 @@ import (
 	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/cniconf"
 	"github.com/meshcni/meshcni/pkg/podget"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -62,13 +62,13 @@ type Config struct {
 	Backend           backend.Kind
 	APITimeout        time.Duration
 	AgentNamespace    string // "": no pod is exempt by the agent label
-	AgentLabel        podspec.Label
+	AgentLabel        capture.Label
 	IPv6              spec.IPv6Mode // the node's IPv6 mode; a pod's meshcni.io/ipv6 wins
 }
 
-// PodspecConfig is the decision's view of the configuration.
-func (c *Config) PodspecConfig() podspec.Config {
-	return podspec.Config{ExcludeNamespaces: c.ExcludeNamespaces, AgentNamespace: c.AgentNamespace, AgentLabel: c.AgentLabel, IPv6: c.IPv6}
+// CaptureConfig is the decision's view of the configuration.
+func (c *Config) CaptureConfig() capture.Config {
+	return capture.Config{ExcludeNamespaces: c.ExcludeNamespaces, AgentNamespace: c.AgentNamespace, AgentLabel: c.AgentLabel, IPv6: c.IPv6}
 }
 
 func badField(field string, value any, reason string) *types.Error {
@@ -164,9 +164,9 @@ func parseConfig(stdin []byte, withPrev bool) (*Config, error) {
 		}
 		c.AgentNamespace = ns
 	}
-	c.AgentLabel, _ = podspec.ParseLabel(podspec.DefaultAgentLabel)
+	c.AgentLabel, _ = capture.ParseLabel(capture.DefaultAgentLabel)
 	if raw.AgentPodLabel != "" {
-		if c.AgentLabel, err = podspec.ParseLabel(raw.AgentPodLabel); err != nil {
+		if c.AgentLabel, err = capture.ParseLabel(raw.AgentPodLabel); err != nil {
 			return nil, badField("agent_pod_label", strconv.Quote(raw.AgentPodLabel), err.Error())
 		}
 	}

@@ -5,15 +5,15 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 )
 
 // TestPluginLinksNoKubernetes keeps the plugin binary free of Kubernetes' Go
 // packages: k8s.io/api and apimachinery would add their package init and size to
-// every exec, and the plugin runs once per pod sandbox for ADD and for DEL. The plugin decodes pods into podspec.Pod; converting corev1
-// pods (podspec/corepod) is for the agent and meshcnictl only. Nor does it link an
+// every exec, and the plugin runs once per pod sandbox for ADD and for DEL. The plugin decodes pods into capture.Pod; converting corev1
+// pods (capture/k8spod) is for the agent and meshcnictl only. Nor does it link an
 // HTTPS client (crypto/tls, x509, net/http, YAML), for the same reason; the API
-// fallback runs in the helper meshcni-podget (pkg/podget, pkg/kubeapi). The plugin's
+// fallback runs in the helper meshcni-podget (pkg/podget, pkg/podget/helper). The plugin's
 // size and start-up, with the commands that measure them: docs/performance.md.
 func TestPluginLinksNoKubernetes(t *testing.T) {
 	gobin := testutil.RequireBinary(t, "go")
@@ -33,8 +33,8 @@ func TestPluginLinksNoKubernetes(t *testing.T) {
 	}
 	forbidden := []string{
 		"k8s.io/", // api, apimachinery, client-go, klog, utils
-		"github.com/meshcni/meshcni/pkg/podspec/corepod", // the corev1 conversion
-		"github.com/meshcni/meshcni/pkg/kubeapi",         // the HTTPS client: meshcni-podget's
+		"github.com/meshcni/meshcni/pkg/capture/k8spod", // the corev1 conversion
+		"github.com/meshcni/meshcni/pkg/podget/helper",  // the HTTPS client: meshcni-podget's
 		"net/http",
 		"crypto/tls",
 		"crypto/x509",

@@ -2,7 +2,7 @@ package plugin
 
 import (
 	"github.com/meshcni/meshcni/pkg/agentsock"
-	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -11,8 +11,8 @@ import (
 // annotation says off, when no agent listens (nobody would use it), or when the
 // cookie cannot be read (the kernel is older than 5.14: no acceleration either);
 // the pod's redirect does not depend on it.
-func (inv *invocation) ebpfReport(a podspec.Acceleration, s *spec.Spec) *agentsock.PodEBPF {
-	if a == podspec.AccelOff || inv.sock == nil {
+func (inv *invocation) ebpfReport(a capture.Acceleration, s *spec.Spec) *agentsock.PodEBPF {
+	if a == capture.AccelOff || inv.sock == nil {
 		return nil
 	}
 	cookie, err := inv.cookie()

@@ -30,10 +30,10 @@ import (
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/netnsutil"
 	"github.com/meshcni/meshcni/pkg/podget"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -85,7 +85,7 @@ type Plugin struct {
 // HTTPS client. Errors are *podget.APIError, *podget.KubeconfigError or
 // *podget.HelperError; fetchPod turns each into a CNI error that says what to do.
 type PodGetter interface {
-	GetPod(ctx context.Context, namespace, name string) (*podspec.Pod, error)
+	GetPod(ctx context.Context, namespace, name string) (*capture.Pod, error)
 	Server() string
 }
 
@@ -208,7 +208,7 @@ func (inv *invocation) skipReason() string {
 	if inv.namespace == "" || inv.name == "" {
 		return "not a Kubernetes pod (no K8S_POD_NAMESPACE/K8S_POD_NAME in CNI_ARGS)"
 	}
-	if inv.cfg.PodspecConfig().ExcludedNamespace(inv.namespace) {
+	if inv.cfg.CaptureConfig().ExcludedNamespace(inv.namespace) {
 		return fmt.Sprintf("namespace %s is excluded", inv.namespace)
 	}
 	return ""
@@ -277,8 +277,8 @@ func (p *Plugin) add(inv *invocation, prev *current.Result) error {
 	if err != nil {
 		return err
 	}
-	d := podspec.Decide(pod, inv.cfg.PodspecConfig())
-	if !d.Meshed {
+	d := capture.Decide(pod, inv.cfg.CaptureConfig())
+	if !d.Captured() {
 		inv.log.Info("pod not meshed", "reason", d.Reason)
 		inv.decided(agentsock.DecisionSkipped, d.Reason)
 		return nil
@@ -313,8 +313,8 @@ func (inv *invocation) engineOptions() engine.Options {
 
 // podSpec derives the spec and sets its families from the pod's addresses; it also
 // returns the pod's eBPF acceleration.
-func (p *Plugin) podSpec(inv *invocation, pod *podspec.Pod, prev *current.Result) (*spec.Spec, podspec.Acceleration, error) {
-	res, err := inv.cfg.PodspecConfig().Build(pod)
+func (p *Plugin) podSpec(inv *invocation, pod *capture.Pod, prev *current.Result) (*spec.Spec, capture.Acceleration, error) {
+	res, err := inv.cfg.CaptureConfig().Build(pod)
 	if err != nil {
 		return nil, "", types.NewError(types.ErrInvalidNetworkConfig, fmt.Sprintf(
 			"pod %s/%s: %v; fix the annotation and recreate the pod (no redirect rule was applied)",
@@ -327,7 +327,7 @@ func (p *Plugin) podSpec(inv *invocation, pod *podspec.Pod, prev *current.Result
 	if err != nil {
 		return nil, "", err
 	}
-	podspec.WithFamilies(res.Spec, addrs)
+	capture.WithFamilies(res.Spec, addrs)
 	return res.Spec, res.EBPF, nil
 }
 
@@ -358,7 +358,7 @@ func (p *Plugin) podAddrs(inv *invocation, prev *current.Result) ([]netip.Addr, 
 	return addrs, nil
 }
 
-func trimPodPrefix(err error, pod *podspec.Pod) string {
+func trimPodPrefix(err error, pod *capture.Pod) string {
 	return strings.TrimPrefix(err.Error(), fmt.Sprintf("pod %s/%s: ", pod.Namespace, pod.Name))
 }
 
@@ -421,7 +421,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) (err error) {
 	if err != nil {
 		return err
 	}
-	if d := podspec.Decide(pod, inv.cfg.PodspecConfig()); !d.Meshed {
+	if d := capture.Decide(pod, inv.cfg.CaptureConfig()); !d.Captured() {
 		inv.log.Debug("CHECK: pod not meshed, nothing to check", "reason", d.Reason)
 		return nil
 	}

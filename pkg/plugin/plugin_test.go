@@ -19,11 +19,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/internal/fakeapi"
+	"github.com/meshcni/meshcni/internal/standin/fakeapi"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/kubeapi"
-	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/podget/helper"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -108,7 +108,7 @@ func newHarness(t *testing.T) *harness {
 		t.Fatal(err)
 	}
 	h.p.HelperPath = func() (string, error) { return helper, nil }
-	// In-process: the helper's own code (kubeapi) without its exec, which the
+	// In-process: the helper's own code (podget/helper) without its exec, which the
 	// real-API and test-bed tests run.
 	h.p.NewPodGetter = func(path string) (PodGetter, error) {
 		h.gets++
@@ -117,18 +117,18 @@ func newHarness(t *testing.T) *harness {
 	return h
 }
 
-// inProcessGetter is the helper's work (kubeapi.Request) in the test process.
+// inProcessGetter is the helper's work (helper.Request) in the test process.
 type inProcessGetter struct {
 	kubeconfig string
 	server     string
 }
 
-func (g *inProcessGetter) GetPod(ctx context.Context, namespace, name string) (*podspec.Pod, error) {
+func (g *inProcessGetter) GetPod(ctx context.Context, namespace, name string) (*capture.Pod, error) {
 	timeout := 5 * time.Second
 	if d, ok := ctx.Deadline(); ok {
 		timeout = time.Until(d)
 	}
-	r := kubeapi.Request{Kubeconfig: g.kubeconfig, Namespace: namespace, Name: name, Timeout: timeout, Backoff: 20 * time.Millisecond}.Do(ctx)
+	r := helper.Request{Kubeconfig: g.kubeconfig, Namespace: namespace, Name: name, Timeout: timeout, Backoff: 20 * time.Millisecond}.Do(ctx)
 	g.server = r.Server
 	return r.Outcome()
 }
@@ -147,14 +147,14 @@ func cmdArgs(ns, name, uid string, stdin []byte) *skel.CmdArgs {
 }
 
 func meshed(ns, name string, annotations map[string]string) *corev1.Pod {
-	a := map[string]string{podspec.AnnotationStatus: "{}"}
+	a := map[string]string{capture.AnnotationStatus: "{}"}
 	for k, v := range annotations {
 		a[k] = v
 	}
 	return &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, UID: "uid-" + "web", Annotations: a},
 		Spec: corev1.PodSpec{Containers: []corev1.Container{
-			{Name: "app"}, {Name: podspec.ProxyContainer, Args: []string{"proxy", "sidecar"}},
+			{Name: "app"}, {Name: capture.ProxyContainer, Args: []string{"proxy", "sidecar"}},
 		}},
 	}
 }
@@ -172,7 +172,7 @@ func TestAddMeshedAppliesAndPassesResultThrough(t *testing.T) {
 	for _, ver := range []string{"0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"} {
 		t.Run(ver, func(t *testing.T) {
 			h := newHarness(t)
-			h.api.AddPod(meshed("app", "web", map[string]string{podspec.AnnotationExcludeOutboundPorts: "9999"}))
+			h.api.AddPod(meshed("app", "web", map[string]string{capture.AnnotationExcludeOutboundPorts: "9999"}))
 			prev := strings.Replace(prevResult100, `"1.0.0"`, `"`+ver+`"`, 1)
 			if strings.HasPrefix(ver, "0.") {
 				prev = strings.Replace(prev, `"interface":0,`, `"version":"4","interface":0,`, 1)
@@ -238,7 +238,7 @@ func TestAddNotMeshed(t *testing.T) {
 	plain.Spec.Containers = plain.Spec.Containers[:1]
 	h.api.AddPod(plain)
 	optout := meshed("app", "optout", nil)
-	optout.Labels = map[string]string{podspec.AnnotationInject: "false"}
+	optout.Labels = map[string]string{capture.AnnotationInject: "false"}
 	h.api.AddPod(optout)
 	for _, name := range []string{"plain", "optout"} {
 		if err := h.p.Add(cmdArgs("app", name, "", conf(t, "1.0.0", h.runDir, prevResult100, nil))); err != nil {
@@ -279,15 +279,15 @@ func TestAddFailures(t *testing.T) {
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
 		}, types.ErrInternal, []string{"answered the GET of pod app/web with pod app/other"}},
 		{"bad annotation", func(h *harness) *skel.CmdArgs {
-			h.api.AddPod(meshed("app", "web", map[string]string{podspec.AnnotationIncludeInboundPorts: "80,http"}))
+			h.api.AddPod(meshed("app", "web", map[string]string{capture.AnnotationIncludeInboundPorts: "80,http"}))
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
 		}, types.ErrInvalidNetworkConfig, []string{`traffic.sidecar.istio.io/includeInboundPorts "80,http"`, "no redirect rule was applied"}},
 		{"bad IPv6 mode annotation", func(h *harness) *skel.CmdArgs {
-			h.api.AddPod(meshed("app", "web", map[string]string{podspec.AnnotationIPv6: "pass"}))
+			h.api.AddPod(meshed("app", "web", map[string]string{capture.AnnotationIPv6: "pass"}))
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
 		}, types.ErrInvalidNetworkConfig, []string{`invalid meshcni.io/ipv6 "pass": want istio, capture or drop`, "no redirect rule was applied"}},
 		{"bad eBPF acceleration annotation", func(h *harness) *skel.CmdArgs {
-			h.api.AddPod(meshed("app", "web", map[string]string{podspec.AnnotationEBPFAcceleration: "on"}))
+			h.api.AddPod(meshed("app", "web", map[string]string{capture.AnnotationEBPFAcceleration: "on"}))
 			return cmdArgs("app", "web", "", conf(t, "1.0.0", h.runDir, prevResult100, nil))
 		}, types.ErrInvalidNetworkConfig, []string{`invalid meshcni.io/ebpf-acceleration "on": want off, to-proxy or both`, "no redirect rule was applied"}},
 		{"no prevResult and no address in the netns", func(h *harness) *skel.CmdArgs {
@@ -336,7 +336,7 @@ func TestAddFailures(t *testing.T) {
 // pod's meshcni.io/ipv6, else the plugin's ipv6 key, else istio.
 func TestAddIPv6(t *testing.T) {
 	dual := func(p *corev1.Pod) *corev1.Pod {
-		p.Spec.Containers[1].Env = []corev1.EnvVar{{Name: podspec.EnvDualStack, Value: "true"}}
+		p.Spec.Containers[1].Env = []corev1.EnvVar{{Name: capture.EnvDualStack, Value: "true"}}
 		return p
 	}
 	for _, tt := range []struct {
@@ -352,9 +352,9 @@ func TestAddIPv6(t *testing.T) {
 		{"dual-stack proxy", dual(meshed("app", "web", nil)), nil, true, true, spec.IPv6Istio, true},
 		{"plugin key capture", meshed("app", "web", nil), "capture", true, false, spec.IPv6Capture, true},
 		{"plugin key drop", meshed("app", "web", nil), "drop", false, false, spec.IPv6Drop, true},
-		{"annotation wins over the key", meshed("app", "web", map[string]string{podspec.AnnotationIPv6: "istio"}), "drop", false, false, spec.IPv6Istio, false},
-		{"annotation capture", meshed("app", "web", map[string]string{podspec.AnnotationIPv6: "capture"}), nil, true, false, spec.IPv6Capture, true},
-		{"drop with a dual-stack proxy captures", dual(meshed("app", "web", map[string]string{podspec.AnnotationIPv6: "drop"})), nil, true, true, spec.IPv6Drop, true},
+		{"annotation wins over the key", meshed("app", "web", map[string]string{capture.AnnotationIPv6: "istio"}), "drop", false, false, spec.IPv6Istio, false},
+		{"annotation capture", meshed("app", "web", map[string]string{capture.AnnotationIPv6: "capture"}), nil, true, false, spec.IPv6Capture, true},
+		{"drop with a dual-stack proxy captures", dual(meshed("app", "web", map[string]string{capture.AnnotationIPv6: "drop"})), nil, true, true, spec.IPv6Drop, true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			h := newHarness(t)
@@ -551,7 +551,7 @@ func TestParseConfig(t *testing.T) {
 	}
 	for _, m := range []struct{ in, want string }{{"istio", "istio"}, {"capture", "capture"}, {"Drop", "drop"}} {
 		c, err := ParseConfig(base(`,"ipv6":"` + m.in + `"`))
-		if err != nil || string(c.IPv6) != m.want || c.PodspecConfig().IPv6 != spec.IPv6Mode(m.want) {
+		if err != nil || string(c.IPv6) != m.want || c.CaptureConfig().IPv6 != spec.IPv6Mode(m.want) {
 			t.Errorf("ipv6 %s: %v %v", m.in, c, err)
 		}
 	}

@@ -10,13 +10,13 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/meshcni/meshcni/pkg/agentsock"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/cniconf"
-	"github.com/meshcni/meshcni/pkg/podspec"
 )
 
 // fetchPod GETs the pod within api_timeout and checks its UID. Every failure is a CNI
 // error saying what is wrong and what to do: meshcni fails closed.
-func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*podspec.Pod, error) {
+func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*capture.Pod, error) {
 	if pod := inv.podFromAgent(ctx); pod != nil {
 		return pod, nil
 	}
@@ -42,7 +42,7 @@ func (p *Plugin) fetchPod(ctx context.Context, inv *invocation) (*podspec.Pod, e
 		return nil, types.NewError(types.ErrInternal, fmt.Sprintf(
 			"the Kubernetes API at %s answered the GET of pod %s/%s with pod %s/%s; %s", getter.Server(), inv.namespace, inv.name, pod.Namespace, pod.Name, failsClosed), "")
 	}
-	if inv.uid != "" && !podspec.IsRuntimePod(pod, inv.uid) {
+	if inv.uid != "" && !capture.IsRuntimePod(pod, inv.uid) {
 		return nil, types.NewError(types.ErrInternal, fmt.Sprintf(
 			"pod %s/%s in the API has UID %s but the runtime is creating UID %s (the pod was deleted and recreated); %s; the runtime will retry with the current pod",
 			inv.namespace, inv.name, pod.UID, inv.uid, failsClosed), "")
@@ -58,7 +58,7 @@ const AgentLookupTimeout = 50 * time.Millisecond
 // on any miss (no agent, an agent without a cache or without the pod, another UID,
 // a timeout, a bad answer): the caller then GETs the pod from the API server, so the
 // agent can make ADD faster but never decides a failure.
-func (inv *invocation) podFromAgent(ctx context.Context) *podspec.Pod {
+func (inv *invocation) podFromAgent(ctx context.Context) *capture.Pod {
 	if inv.sock == nil {
 		return nil
 	}
@@ -66,7 +66,7 @@ func (inv *invocation) podFromAgent(ctx context.Context) *podspec.Pod {
 	ctx, cancel := context.WithTimeout(ctx, AgentLookupTimeout)
 	defer cancel()
 	resp, err := inv.sock.GetPod(ctx, agentsock.PodRequest{Namespace: inv.namespace, Name: inv.name, UID: inv.uid})
-	miss := func(reason string, args ...any) *podspec.Pod {
+	miss := func(reason string, args ...any) *capture.Pod {
 		inv.log.Debug("pod not answered by the agent, asking the API server", append([]any{"reason", reason, "duration", time.Since(t0)}, args...)...)
 		return nil
 	}
@@ -76,14 +76,14 @@ func (inv *invocation) podFromAgent(ctx context.Context) *podspec.Pod {
 	case !resp.Found:
 		return miss(resp.Reason)
 	}
-	var pod podspec.Pod
+	var pod capture.Pod
 	if err := json.Unmarshal(resp.Pod, &pod); err != nil {
 		return miss("undecodable pod", "err", err)
 	}
 	if pod.Namespace != inv.namespace || pod.Name != inv.name {
 		return miss(fmt.Sprintf("the agent answered with pod %s/%s", pod.Namespace, pod.Name))
 	}
-	if inv.uid != "" && !podspec.IsRuntimePod(&pod, inv.uid) {
+	if inv.uid != "" && !capture.IsRuntimePod(&pod, inv.uid) {
 		return miss(fmt.Sprintf("the agent's pod has UID %s, not %s", pod.UID, inv.uid))
 	}
 	inv.log.Debug("pod fetched", "source", "agent", "duration", time.Since(t0))

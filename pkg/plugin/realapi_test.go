@@ -22,13 +22,13 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/internal/proxysim"
-	"github.com/meshcni/meshcni/internal/testutil"
-	"github.com/meshcni/meshcni/internal/traffic"
+	"github.com/meshcni/meshcni/internal/standin/proxysim"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/traffic"
+	"github.com/meshcni/meshcni/pkg/agent/nodepods"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
-	"github.com/meshcni/meshcni/pkg/nodepods"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -40,10 +40,10 @@ type podOpt func(*corev1.Pod)
 func injectedPod(ns, name string, opts ...podOpt) *corev1.Pod {
 	p := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{"app": name},
-			Annotations: map[string]string{podspec.AnnotationStatus: `{"containers":["istio-proxy"],"initContainers":["istio-validation"]}`}},
+			Annotations: map[string]string{capture.AnnotationStatus: `{"containers":["istio-proxy"],"initContainers":["istio-validation"]}`}},
 		Spec: corev1.PodSpec{Containers: []corev1.Container{
 			{Name: "app", Image: "registry.example/app:1"},
-			{Name: podspec.ProxyContainer, Image: "docker.io/istio/proxyv2:1.27.0", Args: []string{"proxy", "sidecar", "--domain", ns + ".svc.cluster.local"}},
+			{Name: capture.ProxyContainer, Image: "docker.io/istio/proxyv2:1.27.0", Args: []string{"proxy", "sidecar", "--domain", ns + ".svc.cluster.local"}},
 		}},
 	}
 	for _, o := range opts {
@@ -146,7 +146,7 @@ func TestRealAPIDecisionMatrix(t *testing.T) {
 	runDir := t.TempDir()
 	kc := tbd.Kubeconfig()
 	// want is the redirect Istio's sidecar injection gives the pod, written out here
-	// (nil: not meshed, no rule at all), independently of pkg/podspec.
+	// (nil: not meshed, no rule at all), independently of pkg/capture.
 	annotated := istioSidecarSpec()
 	annotated.InboundPorts = spec.PortSet{Ports: []uint16{8080, 9090}}
 	annotated.OutboundPortsExclude = []uint16{5432} // the annotation replaces the default 15020
@@ -165,22 +165,22 @@ func TestRealAPIDecisionMatrix(t *testing.T) {
 	}{
 		{"sidecar", e2eNamespace, nil, &sidecar},
 		{"native-sidecar", e2eNamespace, []podOpt{asNativeSidecar}, &sidecar},
-		{"tproxy", e2eNamespace, []podOpt{withAnn(podspec.AnnotationInterceptionMode, "TPROXY")}, &tproxy},
+		{"tproxy", e2eNamespace, []podOpt{withAnn(capture.AnnotationInterceptionMode, "TPROXY")}, &tproxy},
 		{"annotated", e2eNamespace, []podOpt{
-			withAnn(podspec.AnnotationIncludeInboundPorts, "8080,9090"),
-			withAnn(podspec.AnnotationExcludeOutboundPorts, "5432"),
-			withAnn(podspec.AnnotationExcludeOutboundIPRanges, "169.254.169.254/32"),
-			withAnn(podspec.AnnotationExcludeInterfaces, "net1"),
-			withProxyEnv(podspec.EnvDNSCapture, "true"),
+			withAnn(capture.AnnotationIncludeInboundPorts, "8080,9090"),
+			withAnn(capture.AnnotationExcludeOutboundPorts, "5432"),
+			withAnn(capture.AnnotationExcludeOutboundIPRanges, "169.254.169.254/32"),
+			withAnn(capture.AnnotationExcludeInterfaces, "net1"),
+			withProxyEnv(capture.EnvDNSCapture, "true"),
 			withProxyUser(2000),
 		}, &annotated},
-		{"inject-label-true-wins", e2eNamespace, []podOpt{withLabel(podspec.AnnotationInject, "true"), withAnn(podspec.AnnotationInject, "false")}, &sidecar},
+		{"inject-label-true-wins", e2eNamespace, []podOpt{withLabel(capture.AnnotationInject, "true"), withAnn(capture.AnnotationInject, "false")}, &sidecar},
 		{"plain", e2eNamespace, []podOpt{withoutProxy}, nil},
-		{"no-status", e2eNamespace, []podOpt{func(p *corev1.Pod) { delete(p.Annotations, podspec.AnnotationStatus) }}, nil},
-		{"inject-label-false", e2eNamespace, []podOpt{withLabel(podspec.AnnotationInject, "false"), withAnn(podspec.AnnotationInject, "true")}, nil},
-		{"inject-annotation-false", e2eNamespace, []podOpt{withAnn(podspec.AnnotationInject, "false")}, nil},
+		{"no-status", e2eNamespace, []podOpt{func(p *corev1.Pod) { delete(p.Annotations, capture.AnnotationStatus) }}, nil},
+		{"inject-label-false", e2eNamespace, []podOpt{withLabel(capture.AnnotationInject, "false"), withAnn(capture.AnnotationInject, "true")}, nil},
+		{"inject-annotation-false", e2eNamespace, []podOpt{withAnn(capture.AnnotationInject, "false")}, nil},
 		{"istio-init", e2eNamespace, []podOpt{withIstioInit}, nil},
-		{"disable-envoy", e2eNamespace, []podOpt{withProxyEnv(podspec.EnvDisableEnvoy, "true")}, nil},
+		{"disable-envoy", e2eNamespace, []podOpt{withProxyEnv(capture.EnvDisableEnvoy, "true")}, nil},
 		{"gateway", e2eNamespace, []podOpt{withProxyArgs("proxy", "router")}, nil},
 		{"agent", e2eNamespace, []podOpt{withLabel("app.kubernetes.io/name", "meshcni")}, nil},
 		// The agent's label outside the agent's namespace is no opt-out.
@@ -241,7 +241,7 @@ func TestRealAPIFailures(t *testing.T) {
 	ctx := context.Background()
 
 	t.Run("bad annotation", func(t *testing.T) {
-		pod := createPod(t, injectedPod(e2eNamespace, "bad-ann", withAnn(podspec.AnnotationExcludeOutboundIPRanges, "10.0.0.0/33")))
+		pod := createPod(t, injectedPod(e2eNamespace, "bad-ann", withAnn(capture.AnnotationExcludeOutboundIPRanges, "10.0.0.0/33")))
 		netns := testutil.NewNetns(t)
 		ch := newChain(t, []string{"10.250.0.2/24"}, meshcniEntry(runDir, tbd.Kubeconfig(), nil))
 		_, err := ch.cfg.AddNetworkList(ctx, ch.list, runtimeConf(netns, pod))
@@ -360,7 +360,7 @@ func noRightsKubeconfig(t *testing.T, tbd interface {
 func TestTrafficThroughPlugin(t *testing.T) {
 	tbd := testbedAPI(t)
 	pod := traffic.NewPod(t)
-	k8sPod := createPod(t, injectedPod(e2eNamespace, "traffic", withProxyEnv(podspec.EnvDualStack, "true")))
+	k8sPod := createPod(t, injectedPod(e2eNamespace, "traffic", withProxyEnv(capture.EnvDualStack, "true")))
 	proxy := traffic.StartProxy(t, pod.NetNS, traffic.ProxyOptions{})
 	ch := newChain(t, []string{pod.IPv4.String() + "/24", pod.IPv6.String() + "/64"}, meshcniEntry(t.TempDir(), tbd.Kubeconfig(), nil))
 	rt := runtimeConf(pod.NetNS, k8sPod)
@@ -642,7 +642,7 @@ func BenchmarkColdStart(b *testing.B) {
 func proxyContainer(p *corev1.Pod) (*corev1.Container, bool) {
 	for _, cs := range [][]corev1.Container{p.Spec.Containers, p.Spec.InitContainers} {
 		for i := range cs {
-			if cs[i].Name == podspec.ProxyContainer {
+			if cs[i].Name == capture.ProxyContainer {
 				return &cs[i], true
 			}
 		}

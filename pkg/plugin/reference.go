@@ -1,7 +1,7 @@
 package plugin
 
 // ConfigKey documents one key of meshcni's entry in a CNI configuration list.
-// docs/reference.md is generated from ConfigKeys (internal/refdoc); a test checks
+// docs/reference.md is generated from ConfigKeys (internal/tools/refdoc); a test checks
 // that every JSON field ParseConfig reads is listed.
 type ConfigKey struct {
 	Key     string

@@ -11,7 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshcni/meshcni/pkg/backend"
-	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/capture"
 )
 
 // Under Multus meshcni runs as an additional network from its own list (the
@@ -39,7 +39,7 @@ func addrs(s ...string) []netip.Addr {
 }
 
 func dualStack(p *corev1.Pod) *corev1.Pod {
-	p.Spec.Containers[1].Env = []corev1.EnvVar{{Name: podspec.EnvDualStack, Value: "true"}}
+	p.Spec.Containers[1].Env = []corev1.EnvVar{{Name: capture.EnvDualStack, Value: "true"}}
 	return p
 }
 

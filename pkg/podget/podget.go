@@ -1,7 +1,7 @@
 // Package podget is how the meshcni CNI plugin reads a pod from the Kubernetes API
 // when the node agent cannot answer: it runs the helper binary meshcni-podget
-// (cmd/meshcni-podget, pkg/kubeapi), installed next to the plugin, and reads one JSON
-// Result from its standard output.
+// (cmd/meshcni-podget, whose inside is pkg/podget/helper), installed next to the
+// plugin, and reads one JSON Result from its standard output.
 //
 // Why a second binary: the plugin runs once per pod sandbox for ADD and for DEL, and
 // with an agent on the node it never needs the API server. An HTTPS client
@@ -10,7 +10,7 @@
 // The helper pays that start-up only on an agent miss, which also needs a TLS
 // connection to the API server anyway.
 //
-// This package links no network client; pkg/kubeapi implements the helper's side.
+// This package links no network client; its subpackage helper is the helper's side.
 package podget
 
 import (
@@ -27,7 +27,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/capture"
 )
 
 // HelperName is the helper binary's file name, in the plugin's directory.
@@ -39,7 +39,7 @@ type Result struct {
 	// Server is the API server URL from the kubeconfig ("" when the kubeconfig could
 	// not be loaded).
 	Server string       `json:"server,omitempty"`
-	Pod    *podspec.Pod `json:"pod,omitempty"`
+	Pod    *capture.Pod `json:"pod,omitempty"`
 	// Error says what failed; Kind classifies it.
 	Error string `json:"error,omitempty"`
 	Kind  string `json:"kind,omitempty"`
@@ -183,7 +183,7 @@ const (
 // GetPod runs the helper for namespace/name; the helper retries within ctx's
 // deadline and is killed Grace after it. Errors are *APIError, *KubeconfigError or
 // *HelperError.
-func (g *Getter) GetPod(ctx context.Context, namespace, name string) (*podspec.Pod, error) {
+func (g *Getter) GetPod(ctx context.Context, namespace, name string) (*capture.Pod, error) {
 	deadline, ok := ctx.Deadline()
 	if !ok {
 		return nil, &HelperError{Path: g.Helper, Err: errors.New("no deadline for the API request")}
@@ -262,7 +262,7 @@ func (c *capped) Write(p []byte) (int, error) {
 
 // Outcome is the pod of a successful Result, or its failure as an *APIError,
 // *KubeconfigError or *HelperError.
-func (r *Result) Outcome() (*podspec.Pod, error) {
+func (r *Result) Outcome() (*capture.Pod, error) {
 	switch {
 	case r.Error == "" && r.Pod != nil:
 		return r.Pod, nil

@@ -21,10 +21,10 @@ import (
 	"k8s.io/client-go/util/workqueue"
 
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture/k8spod"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/heal"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec/corepod"
 	"github.com/meshcni/meshcni/pkg/sandboxstate"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
@@ -70,7 +70,7 @@ const (
 	LogRetryLater  = "repair: retry later"    // a transient condition (stale pod, plugin not installed)
 )
 
-// Pods is the node's pod cache (pkg/nodepods.Cache).
+// Pods is the node's pod cache (pkg/agent/nodepods.Cache).
 type Pods interface {
 	Informer() cache.SharedIndexInformer
 	Get(namespace, name string) (*corev1.Pod, bool)
@@ -537,7 +537,7 @@ func (c *Controller) repairInPlace(ctx context.Context, pod *corev1.Pod) (string
 	if len(ips) == 0 {
 		return "", "", errRetry{fmt.Errorf("%w", podnetns.ErrNoPodIP)}
 	}
-	res, err := c.o.Policy.Mesh.ForPod(corepod.From(pod), ips)
+	res, err := c.o.Policy.Mesh.ForPod(k8spod.From(pod), ips)
 	if err != nil {
 		return "", "", fmt.Errorf("redirect spec: %w", err)
 	}

@@ -25,12 +25,12 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/record"
 
+	"github.com/meshcni/meshcni/pkg/agent/nodepods"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/capture"
 	"github.com/meshcni/meshcni/pkg/engine"
 	"github.com/meshcni/meshcni/pkg/heal"
-	"github.com/meshcni/meshcni/pkg/nodepods"
 	"github.com/meshcni/meshcni/pkg/podnetns"
-	"github.com/meshcni/meshcni/pkg/podspec"
 	"github.com/meshcni/meshcni/pkg/spec"
 )
 
@@ -126,7 +126,7 @@ func start(t *testing.T, action Action, mut func(*Options, *fake.Clientset), pod
 	h.m, _ = NewMetrics(nil)
 	o := Options{
 		Policy: Policy{Node: node, Action: action, Criteria: criteria(), LabelKey: DefaultLabelKey,
-			Mesh: podspec.Config{ExcludeNamespaces: []string{"kube-system"}}},
+			Mesh: capture.Config{ExcludeNamespaces: []string{"kube-system"}}},
 		Backend: backend.Nftables, Client: cs, Events: h.events, Pods: cache,
 		Netns: h.netns, Apply: h.apply.apply, Metrics: h.m, MaxAttempts: 2,
 		Log: slog.New(recording{out: slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}), recs: h.logs}),

@@ -9,7 +9,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/pkg/podspec"
+	"github.com/meshcni/meshcni/pkg/capture"
 )
 
 const node = "node-a"
@@ -21,12 +21,12 @@ func brokenPod() *corev1.Pod {
 		ObjectMeta: metav1.ObjectMeta{
 			Namespace: "app", Name: "web", UID: "uid-1", Labels: map[string]string{"app": "web"},
 			OwnerReferences: []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: "web-1", UID: "rs-1", Controller: ptr(true)}},
-			Annotations:     map[string]string{podspec.AnnotationStatus: `{"containers":["istio-proxy"]}`},
+			Annotations:     map[string]string{capture.AnnotationStatus: `{"containers":["istio-proxy"]}`},
 		},
 		Spec: corev1.PodSpec{
 			NodeName:       node,
 			InitContainers: []corev1.Container{{Name: DefaultInitContainer, Image: "proxyv2"}},
-			Containers:     []corev1.Container{{Name: "app", Image: "app"}, {Name: podspec.ProxyContainer, Image: "proxyv2", Args: []string{"proxy", "sidecar"}}},
+			Containers:     []corev1.Container{{Name: "app", Image: "app"}, {Name: capture.ProxyContainer, Image: "proxyv2", Args: []string{"proxy", "sidecar"}}},
 		},
 		Status: corev1.PodStatus{
 			Phase: corev1.PodPending, PodIP: "10.0.0.5",
@@ -70,7 +70,7 @@ func TestBroken(t *testing.T) {
 			s.LastTerminationState = s.State
 			s.State = corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: 0}}
 		}},
-		{name: "no status annotation", why: podspec.AnnotationStatus, mut: func(p *corev1.Pod) { p.Annotations = nil }},
+		{name: "no status annotation", why: capture.AnnotationStatus, mut: func(p *corev1.Pod) { p.Annotations = nil }},
 		{name: "being deleted", why: "deleted", mut: func(p *corev1.Pod) { now := metav1.Now(); p.DeletionTimestamp = &now }},
 		{name: "other exit code", why: "last exited 1, not 126", mut: func(p *corev1.Pod) {
 			p.Status.InitContainerStatuses[0].State.Terminated.ExitCode = 1
@@ -145,10 +145,10 @@ func TestDecide(t *testing.T) {
 		{name: "delete: failed pod", action: ActionEvict, act: true, key: "uid-1", mut: func(p *corev1.Pod) { p.Status.Phase = corev1.PodFailed }},
 		{name: "other node", action: ActionEvict, why: "node", mut: func(p *corev1.Pod) { p.Spec.NodeName = "node-b" }},
 		{name: "excluded namespace", action: ActionEvict, why: "namespace app is excluded", pol: func(p *Policy) { p.Mesh.ExcludeNamespaces = []string{"kube-system", "app"} }},
-		{name: "inject=false", action: ActionRepair, why: "not meshed", mut: func(p *corev1.Pod) { p.Labels[podspec.AnnotationInject] = "false" }},
+		{name: "inject=false", action: ActionRepair, why: "not meshed", mut: func(p *corev1.Pod) { p.Labels[capture.AnnotationInject] = "false" }},
 		{name: "no istio-proxy", action: ActionRepair, why: "not meshed", mut: func(p *corev1.Pod) { p.Spec.Containers = p.Spec.Containers[:1] }},
 		{name: "has istio-init", action: ActionEvict, why: "not meshed", mut: func(p *corev1.Pod) {
-			p.Spec.InitContainers = append(p.Spec.InitContainers, corev1.Container{Name: podspec.InitContainer})
+			p.Spec.InitContainers = append(p.Spec.InitContainers, corev1.Container{Name: capture.InitContainer})
 		}},
 		{name: "host network", action: ActionEvict, why: "host network", mut: func(p *corev1.Pod) { p.Spec.HostNetwork = true }},
 		{name: "healthy", action: ActionEvict, why: "completed", mut: func(p *corev1.Pod) {
@@ -166,7 +166,7 @@ func TestDecide(t *testing.T) {
 				tc.mut(p)
 			}
 			pol := Policy{Node: node, Action: tc.action, Criteria: criteria(), LabelKey: DefaultLabelKey,
-				Mesh: podspec.Config{ExcludeNamespaces: []string{"kube-system"}}}
+				Mesh: capture.Config{ExcludeNamespaces: []string{"kube-system"}}}
 			if tc.pol != nil {
 				tc.pol(&pol)
 			}

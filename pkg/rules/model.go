@@ -1,6 +1,6 @@
 // Package rules turns a redirect spec into the desired ruleset, in a model that no
 // backend owns: tables, chains and typed rules (matches plus one verdict). Renderers
-// (pkg/rules/iptables, pkg/rules/nft) and the native nftables backend translate the
+// (pkg/rules/ipt, pkg/rules/nft) and the native nftables backend translate the
 // model; nothing here has effects.
 //
 // The model keeps Istio's table and chain names (nat, mangle, raw; ISTIO_INBOUND,

@@ -16,9 +16,9 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/internal/build/ociimage"
-	"github.com/meshcni/meshcni/internal/testbed"
-	itestutil "github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/env/testbed"
+	itestutil "github.com/meshcni/meshcni/internal/testkit/testutil"
+	"github.com/meshcni/meshcni/internal/tools/build/ociimage"
 )
 
 // TestBinary runs the built meshcni-taint-controller against the real API server, set

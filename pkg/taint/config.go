@@ -87,7 +87,7 @@ func ParseFlags(args []string, getenv func(string) string, usage io.Writer) (*Co
 }
 
 // FlagSet returns the controller's flags with their defaults, for documentation
-// (internal/refdoc).
+// (internal/tools/refdoc).
 func FlagSet() *pflag.FlagSet {
 	fs, _ := (&Config{}).flagSet("", io.Discard)
 	return fs

@@ -3,7 +3,7 @@ package taint
 // A leader that lost its Lease but still runs — cut off from the API server, or paused
 // and resumed — must stop writing before another replica leads. Two real
 // meshcni-taint-controller processes against the real API server, each through its own
-// fault-injecting proxy (internal/apiproxy), which logs every request the process
+// fault-injecting proxy (internal/standin/apiproxy), which logs every request the process
 // sent: a node write is attributed to a replica by the proxy it came through.
 
 import (
@@ -21,9 +21,9 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/meshcni/meshcni/internal/apiproxy"
-	"github.com/meshcni/meshcni/internal/build/ociimage"
-	itestutil "github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/standin/apiproxy"
+	itestutil "github.com/meshcni/meshcni/internal/testkit/testutil"
+	"github.com/meshcni/meshcni/internal/tools/build/ociimage"
 )
 
 // The timings of the partition tests: a lease of 4 s renewed every 1 s, a renew

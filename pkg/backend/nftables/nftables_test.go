@@ -8,8 +8,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshcni/meshcni/internal/nfttest"
-	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/nfttest"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 	"github.com/meshcni/meshcni/pkg/backend"
 	"github.com/meshcni/meshcni/pkg/backend/nftables"
 	"github.com/meshcni/meshcni/pkg/rules"

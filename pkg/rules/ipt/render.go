@@ -1,4 +1,4 @@
-// Package iptables renders the rules model as iptables-restore input and as
+// Package ipt renders the rules model as iptables-restore input and as
 // iptables command arguments, for one IP family. It is pure.
 package ipt
 

@@ -5,9 +5,9 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshcni/meshcni/internal/conformance"
-	"github.com/meshcni/meshcni/internal/golden"
-	"github.com/meshcni/meshcni/internal/specfixtures"
+	"github.com/meshcni/meshcni/internal/testkit/conformance"
+	"github.com/meshcni/meshcni/internal/testkit/golden"
+	"github.com/meshcni/meshcni/internal/testkit/specfixtures"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/rules/ipt"
 	"github.com/meshcni/meshcni/pkg/spec"
@@ -35,7 +35,7 @@ func checkFamilies(t *testing.T, dir *golden.Dir, base string, s *spec.Spec) {
 	}
 }
 
-// TestRestoreGolden renders the shared spec table (internal/specfixtures) into
+// TestRestoreGolden renders the shared spec table (internal/testkit/specfixtures) into
 // testdata/specs/<name>-v{4,6}.iptables.
 func TestRestoreGolden(t *testing.T) {
 	dir := golden.Open(t, "testdata/specs")

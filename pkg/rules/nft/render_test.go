@@ -4,11 +4,11 @@ import (
 	"net/netip"
 	"testing"
 
-	"github.com/meshcni/meshcni/internal/conformance"
-	"github.com/meshcni/meshcni/internal/golden"
-	"github.com/meshcni/meshcni/internal/nfttest"
-	"github.com/meshcni/meshcni/internal/specfixtures"
-	"github.com/meshcni/meshcni/internal/testutil"
+	"github.com/meshcni/meshcni/internal/testkit/conformance"
+	"github.com/meshcni/meshcni/internal/testkit/golden"
+	"github.com/meshcni/meshcni/internal/testkit/nfttest"
+	"github.com/meshcni/meshcni/internal/testkit/specfixtures"
+	"github.com/meshcni/meshcni/internal/testkit/testutil"
 	"github.com/meshcni/meshcni/pkg/rules"
 	"github.com/meshcni/meshcni/pkg/rules/nft"
 	"github.com/meshcni/meshcni/pkg/spec"
@@ -16,7 +16,7 @@ import (
 
 func podDefaults() *spec.Spec { s := spec.PodDefaults(); return &s }
 
-// TestRenderGolden renders the shared spec table (internal/specfixtures) into
+// TestRenderGolden renders the shared spec table (internal/testkit/specfixtures) into
 // testdata/specs/<name>.nft.
 func TestRenderGolden(t *testing.T) {
 	dir := golden.Open(t, "testdata/specs")
