@@ -92,7 +92,7 @@ func TestDocNamesEveryE2ETest(t *testing.T) {
 	}
 	var files []string
 	for _, pkg := range []string{"e2e", "migration"} {
-		fs, err := filepath.Glob(filepath.Join(root, "internal", "istio", pkg, "*_test.go"))
+		fs, err := filepath.Glob(filepath.Join(root, "internal", "env", "istio", pkg, "*_test.go"))
 		if err != nil || len(fs) == 0 {
 			t.Fatalf("no test files in internal/env/istio/%s: %v", pkg, err)
 		}
