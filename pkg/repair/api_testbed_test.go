@@ -34,6 +34,7 @@ import (
 	"github.com/meshcni/meshcni/internal/standin/apiproxy"
 	"github.com/meshcni/meshcni/pkg/agent/nodepods"
 	"github.com/meshcni/meshcni/pkg/backend"
+	"github.com/meshcni/meshcni/pkg/heal"
 )
 
 // apiNode is the node of the pods: a Node object, no kubelet.
@@ -90,12 +91,24 @@ func startAPI(t *testing.T, ns string, action Action) *apiHarness {
 	b := record.NewBroadcaster()
 	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: cs.CoreV1().Events("")})
 	h.m, _ = NewMetrics(nil)
+	log := slog.New(recording{out: slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}), recs: h.logs})
+	var evictor *heal.Evictor
+	if action == ActionEvict {
+		hm, err := heal.NewMetrics(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// A budget that never binds here: the guards and preconditions are what is proven.
+		evictor = &heal.Evictor{Client: cs, Budget: heal.NewBudget(heal.Limits{MaxEvictions: 100, Window: time.Hour, MaxFraction: 1}),
+			Meshed: func() int { return 100 }, Metrics: hm, Log: log}
+	}
 	c, err := New(Options{
+		Evictor: evictor,
 		Policy:  Policy{Node: apiNode, Action: action, Criteria: criteria(), LabelKey: DefaultLabelKey},
 		Backend: backend.Nftables, Client: cs, Pods: pods, Metrics: h.m,
 		Events: b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "meshcni-agent"}),
 		Netns:  newFakeNetns(), Apply: h.apply.apply,
-		Log: slog.New(recording{out: slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}), recs: h.logs}),
+		Log: log,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -126,7 +139,11 @@ func (h *apiHarness) eventually(what string, cond func() bool) {
 func (h *apiHarness) createPod(name string, st *corev1.ContainerStatus) *corev1.Pod {
 	h.t.Helper()
 	p := brokenPod()
-	p.ObjectMeta = metav1.ObjectMeta{Namespace: h.ns, Name: name, Labels: p.Labels, Annotations: p.Annotations}
+	p.ObjectMeta = metav1.ObjectMeta{Namespace: h.ns, Name: name, Labels: p.Labels, Annotations: p.Annotations,
+		// A controller owner (the API-only test bed runs no controller that would act on it):
+		// a pod without one is never evicted.
+		OwnerReferences: []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: name + "-rs",
+			UID: types.UID("00000000-0000-0000-0000-" + fmt.Sprintf("%012x", len(name))), Controller: ptr(true)}}}
 	p.Spec.NodeName = apiNode
 	p.Status = corev1.PodStatus{}
 	created, err := h.cs.CoreV1().Pods(h.ns).Create(h.ctx, p, metav1.CreateOptions{})
@@ -232,32 +249,61 @@ func (h *apiHarness) replace(name string) *corev1.Pod {
 	return h.createPod(name, nil)
 }
 
-// TestRealAPIDelete: the delete action on the real API server deletes a broken pod,
-// and never a pod that is not the one it judged: its DELETE carries the UID and
-// resourceVersion it read, so a pod whose status moved on or a namesake that replaced
-// it meanwhile is refused by the API server (409) and stays.
-func TestRealAPIDelete(t *testing.T) {
+// TestRealAPIEvict: the evict action on the real API server evicts a broken pod
+// through the Eviction API, and never a pod that is not the one it judged: its
+// Eviction carries the UID and resourceVersion it read, so a pod whose status moved
+// on or a namesake that replaced it meanwhile is refused by the API server (409) and
+// stays. A pod without a controller owner is never evicted.
+func TestRealAPIEvict(t *testing.T) {
 	h := startAPI(t, "meshcni-repair-api-del", ActionEvict)
 
-	t.Run("a broken pod is deleted", func(t *testing.T) {
+	t.Run("a broken pod is evicted", func(t *testing.T) {
 		h.t = t
 		p := h.createPod("del-ok", ptr(failedRun("containerd://run1", time.Now().Add(-10*time.Second))))
 		// Without a kubelet the deletion of a bound pod stays graceful: deletionTimestamp set.
-		h.eventually("del-ok deleted", func() bool {
+		h.eventually("del-ok evicted", func() bool {
 			got, err := h.get("del-ok")
 			return apierrors.IsNotFound(err) || (err == nil && got.DeletionTimestamp != nil)
 		})
-		if ws := statuses(h.answered("del-ok")); !reflect.DeepEqual(ws, []string{"DELETE 200"}) {
-			t.Errorf("writes to del-ok: %q, want one DELETE 200", ws)
+		ws := h.answered("del-ok")
+		if got := statuses(ws); !reflect.DeepEqual(got, []string{"POST 201"}) || ws[0].Path != "/api/v1/namespaces/"+h.ns+"/pods/del-ok/eviction" {
+			t.Errorf("writes to del-ok: %q (%s), want one POST 201 to its eviction subresource", got, ws[0].Path)
 		}
 		h.eventually("its Event", func() bool { return h.events(p.UID, ReasonDeleted) == 1 })
+	})
+
+	t.Run("a bare pod is never evicted", func(t *testing.T) {
+		h.t = t
+		p := brokenPod()
+		p.ObjectMeta = metav1.ObjectMeta{Namespace: h.ns, Name: "del-bare", Labels: p.Labels, Annotations: p.Annotations}
+		p.Spec.NodeName = apiNode
+		p.Status = corev1.PodStatus{}
+		created, err := h.cs.CoreV1().Pods(h.ns).Create(h.ctx, p, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := h.logs.mark()
+		h.setStatus(created, failedRun("containerd://run1", time.Now().Add(-10*time.Second)))
+		h.eventually("the refusal logged", func() bool {
+			return h.logs.has(m, heal.LogRefused, "", map[string]string{"pod_name": "del-bare", "reason": heal.RefusedNoController})
+		})
+		if ws := h.podWrites("del-bare"); len(ws) > 1 { // the status update above is the test's own
+			for _, r := range ws {
+				if r.Method == "POST" {
+					t.Errorf("a bare pod's eviction was sent: %+v", r)
+				}
+			}
+		}
+		if got, err := h.get("del-bare"); err != nil || got.DeletionTimestamp != nil {
+			t.Errorf("del-bare after the refusal: %v, %v; want it running on", got, err)
+		}
 	})
 
 	t.Run("a pod whose status moved on while the delete was in flight stays", func(t *testing.T) {
 		h.t = t
 		h.px.HoldWrites("/api/v1/namespaces/" + h.ns + "/pods/del-rv")
 		p := h.createPod("del-rv", ptr(failedRun("containerd://run1", time.Now().Add(-10*time.Second))))
-		h.waitHeld("del-rv", "DELETE")
+		h.waitHeld("del-rv", "POST")
 		m := h.logs.mark()
 		healthy := h.setStatus(p, completed())
 		h.px.Heal()
@@ -273,7 +319,7 @@ func TestRealAPIDelete(t *testing.T) {
 		}
 		t.Logf("writes to del-rv: %q", statuses(ws))
 		if ws[0].Status != 409 {
-			t.Errorf("the held DELETE answered %d, want 409 (resourceVersion precondition)", ws[0].Status)
+			t.Errorf("the held eviction answered %d, want 409 (resourceVersion precondition)", ws[0].Status)
 		}
 	})
 
@@ -281,7 +327,7 @@ func TestRealAPIDelete(t *testing.T) {
 		h.t = t
 		h.px.HoldWrites("/api/v1/namespaces/" + h.ns + "/pods/del-uid")
 		old := h.createPod("del-uid", ptr(failedRun("containerd://run1", time.Now().Add(-10*time.Second))))
-		h.waitHeld("del-uid", "DELETE")
+		h.waitHeld("del-uid", "POST")
 		m := h.logs.mark()
 		namesake := h.replace("del-uid")
 		h.px.Heal()
@@ -292,7 +338,7 @@ func TestRealAPIDelete(t *testing.T) {
 		}
 		t.Logf("writes to del-uid (old UID %s): %q", old.UID, statuses(ws))
 		if ws[0].Status != 409 {
-			t.Errorf("the held DELETE answered %d, want 409 (UID precondition)", ws[0].Status)
+			t.Errorf("the held eviction answered %d, want 409 (UID precondition)", ws[0].Status)
 		}
 		for _, r := range ws {
 			if r.Status/100 == 2 {
@@ -301,7 +347,7 @@ func TestRealAPIDelete(t *testing.T) {
 		}
 	})
 	if n := testutilCount(h.m, ActionEvict, resultSuccess); n != 1 {
-		t.Errorf("delete successes %v, want 1", n)
+		t.Errorf("evict successes %v, want 1", n)
 	}
 }
 
