@@ -87,7 +87,7 @@ func (a *Agent) AddAudit(k *Kube) error {
 		InitContainer:     cfg.RepairInitContainer,
 		Applied:           a.Sandboxes,
 		Pods:              a.Pods,
-		Netns:             &podnetns.Locator{Records: a.Sandboxes},
+		Netns:             &podnetns.Locator{Records: a.Sandboxes, NetnsDirs: cfg.RepairNetnsDirs},
 		Decisions:         a.Sandboxes,
 		Client:            k.Client,
 		Evictor:           ev,

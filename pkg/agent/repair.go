@@ -149,7 +149,7 @@ func (a *Agent) AddRepair(k *Kube) error {
 		Client:        k.Client,
 		Events:        k.Events,
 		Pods:          a.Pods,
-		Netns:         &podnetns.Locator{Records: a.Sandboxes},
+		Netns:         &podnetns.Locator{Records: a.Sandboxes, NetnsDirs: cfg.RepairNetnsDirs},
 		Decisions:     a.Sandboxes,
 		Evictor:       ev,
 		ReadyToDelete: a.Guard.Ready,

@@ -81,7 +81,17 @@ type Locator struct {
 	ProcDir string
 	// Records are the sandboxes recorded (nil: none; every pod by its cgroup).
 	Records Records
+	// NetnsDirs, when set, are the runtime's netns directories where a pod without a
+	// record is looked for by its addresses when no pod's process is visible here
+	// (an agent without the host's PID namespace). What is found there
+	// is cross-checked as a namespace found through the cgroup: it holds every
+	// address of the pod and is recorded for no other sandbox.
+	NetnsDirs []string
 }
+
+// errNoProcess: no pod's process is visible in the proc filesystem (this process
+// does not see the host's).
+var errNoProcess = errors.New("the host's processes are not visible here")
 
 // Locate returns the pod's network namespace, held open.
 func (l *Locator) Locate(ctx context.Context, pod *corev1.Pod) (*Handle, error) {
@@ -154,6 +164,10 @@ func verify(h *Handle, sb Sandbox) error {
 // unrecorded finds the namespace of the pod's cgroup and cross-checks it.
 func (l *Locator) unrecorded(ctx context.Context, pod *corev1.Pod) (*Handle, error) {
 	h, err := l.byCgroup(ctx, string(pod.UID))
+	if errors.Is(err, errNoProcess) && len(l.NetnsDirs) > 0 {
+		f := Finder{NetnsDirs: l.NetnsDirs, ProcDir: "-"}
+		h, err = f.FindPod(ctx, pod)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -218,7 +232,7 @@ func (l *Locator) byCgroup(ctx context.Context, uid string) (*Handle, error) {
 	if proc == "" {
 		proc = "/proc"
 	}
-	pids, err := pidsOf(ctx, proc, strings.ToLower(uid))
+	pids, others, err := pidsOf(ctx, proc, strings.ToLower(uid))
 	if err != nil {
 		return nil, err
 	}
@@ -246,6 +260,9 @@ func (l *Locator) byCgroup(ctx context.Context, uid string) (*Handle, error) {
 	case 1:
 		return handles[0], nil
 	case 0:
+		if len(pids) == 0 && !others {
+			return nil, fmt.Errorf("%w: no process of pod UID %s in %s, nor of any other pod: %w", ErrNotFound, uid, proc, errNoProcess)
+		}
 		return nil, fmt.Errorf("%w: no process of pod UID %s in a network namespace of its own in %s (%d in its cgroup)", ErrNotFound, uid, proc, len(pids))
 	}
 	msgs := make([]string, len(handles))
@@ -257,35 +274,43 @@ func (l *Locator) byCgroup(ctx context.Context, uid string) (*Handle, error) {
 		ErrAmbiguous, uid, len(handles), strings.Join(msgs, "; "))
 }
 
-// pidsOf lists the processes whose cgroup names the pod UID, ascending.
-func pidsOf(ctx context.Context, proc, uid string) ([]int, error) {
+// pidsOf lists the processes whose cgroup names the pod UID, ascending, and says
+// whether a process of another pod (not this process's own) is visible at all:
+// where none is, this process does not see the host's processes.
+func pidsOf(ctx context.Context, proc, uid string) ([]int, bool, error) {
 	entries, err := os.ReadDir(proc)
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", proc, err)
+		return nil, false, fmt.Errorf("%s: %w", proc, err)
 	}
+	self := podUIDOf("/proc/self/cgroup")
 	var pids []int
+	others := false
 	for _, e := range entries {
 		pid, err := strconv.Atoi(e.Name())
 		if err != nil || pid <= 0 {
 			continue
 		}
 		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("locate netns: %w", err)
+			return nil, false, fmt.Errorf("locate netns: %w", err)
 		}
-		if inPodCgroup(filepath.Join(proc, e.Name(), "cgroup"), uid) {
+		switch got := podUIDOf(filepath.Join(proc, e.Name(), "cgroup")); got {
+		case uid:
 			pids = append(pids, pid)
+		case "", self:
+		default:
+			others = true
 		}
 	}
 	sort.Ints(pids)
-	return pids, nil
+	return pids, others, nil
 }
 
-// inPodCgroup says whether the cgroup file (hierarchy-ID:controllers:path lines)
-// puts its process in the cgroup of the pod UID.
-func inPodCgroup(path, uid string) bool {
+// podUIDOf is the pod UID the cgroup file (hierarchy-ID:controllers:path lines)
+// puts its process in ("": none).
+func podUIDOf(path string) string {
 	f, err := os.Open(path)
 	if err != nil {
-		return false
+		return ""
 	}
 	defer f.Close()
 	sc := bufio.NewScanner(io.LimitReader(f, MaxCgroupFile))
@@ -294,11 +319,13 @@ func inPodCgroup(path, uid string) bool {
 		if !ok {
 			continue
 		}
-		if _, cg, ok := strings.Cut(rest, ":"); ok && CgroupPodUID(cg) == uid {
-			return true
+		if _, cg, ok := strings.Cut(rest, ":"); ok {
+			if u := CgroupPodUID(cg); u != "" {
+				return u
+			}
 		}
 	}
-	return false
+	return ""
 }
 
 // CgroupPodUID is the pod UID a cgroup path names ("" : none): the kubelet's pod

@@ -117,6 +117,9 @@ func TestLocate(t *testing.T) {
 	nsA := bindInto(t, dir, "cni-a", podNetns(t, false, ipA))
 	nsB := bindInto(t, dir, "cni-b", podNetns(t, false, ipA)) // B holds A's address
 	idA, idB := identity(t, nsA), identity(t, nsB)
+	dirA, dirB := t.TempDir(), t.TempDir() // the runtime's netns directories as an agent sees them
+	bindInto(t, dirA, "cni-a", nsA)
+	bindInto(t, dirB, "cni-b", nsB)
 	cg := func(uid string) string { return "/kubepods/besteffort/pod" + uid + "/ctr" }
 	reused := idA
 	reused.Cookie++
@@ -124,6 +127,7 @@ func TestLocate(t *testing.T) {
 		name    string
 		records records
 		procs   [][2]string // cgroup, netns
+		dirs    []string    // Locator.NetnsDirs
 		pod     *corev1.Pod
 		want    string // the netns found, else
 		err     error
@@ -148,13 +152,21 @@ func TestLocate(t *testing.T) {
 			err: podnetns.ErrMismatch, errPart: "holds none of the pod's addresses " + ipOther.String()},
 		{name: "unrecorded: no process", procs: [][2]string{{cg(uidB), nsB}}, pod: locPod(uidA, ipA.String()), err: podnetns.ErrNotFound, errPart: "no process of pod UID " + uidA},
 		{name: "unrecorded: IP alone is never enough", pod: locPod(uidA, ipA.String()), err: podnetns.ErrNotFound},
+		{name: "unrecorded, no process visible: by the netns dirs, cross-checked", dirs: []string{dirA}, pod: locPod(uidA, ipA.String()), want: nsA},
+		{name: "unrecorded, no process visible: two netns dirs' namespaces hold the IP", dirs: []string{dirA, dirB}, pod: locPod(uidA, ipA.String()),
+			err: podnetns.ErrAmbiguous, errPart: "refusing to choose"},
+		{name: "unrecorded, no process visible: the dirs' namespace is recorded for another sandbox", dirs: []string{dirB},
+			records: records{{ID: "sb", PodUID: uidB, Path: nsB, Netns: idB}}, pod: locPod(uidA, ipA.String()),
+			err: podnetns.ErrMismatch, errPart: "recorded for sandbox sb of pod UID " + uidB},
+		{name: "unrecorded, processes visible: the netns dirs are not consulted", dirs: []string{dirA}, procs: [][2]string{{cg(uidB), nsB}},
+			pod: locPod(uidA, ipA.String()), err: podnetns.ErrNotFound, errPart: "no process of pod UID " + uidA},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			p := &fakeProc{dir: t.TempDir()}
 			for _, pr := range tt.procs {
 				p.add(t, pr[0], pr[1])
 			}
-			l := &podnetns.Locator{ProcDir: p.dir}
+			l := &podnetns.Locator{ProcDir: p.dir, NetnsDirs: tt.dirs}
 			if tt.records != nil {
 				l.Records = tt.records
 			}
