@@ -30,7 +30,7 @@ func (c *Config) repairFlags(fs *pflag.FlagSet) func() error {
 	fs.StringVar(&c.RepairInitContainer, "repair-init-container-name", repair.DefaultInitContainer, "name of the validation init container")
 	fs.IntVar(&c.RepairExitCode, "repair-exit-code", repair.DefaultExitCode, "exit code of the validation init container that means \"no redirect\"")
 	fs.StringVar(&c.RepairMessage, "repair-message", "", "optional regular expression the failed run's termination message must match")
-	fs.StringVar(&netnsDirs, "repair-netns-dirs", strings.Join(podnetns.DefaultNetnsDirs, ","), "comma-separated directories of the runtime's pod network namespaces (kept for compatibility: the audit and the repair locate a pod's netns by its sandbox's record, else its cgroup)")
+	fs.StringVar(&netnsDirs, "repair-netns-dirs", strings.Join(podnetns.DefaultNetnsDirs, ","), "comma-separated directories of the runtime's pod network namespaces: where the audit and the repair look for a pod without a sandbox record by its addresses when no pod's process is visible (no host PID namespace); else its sandbox's record, or its cgroup")
 	return func() error {
 		a, err := repair.ParseAction(action)
 		if err != nil {
