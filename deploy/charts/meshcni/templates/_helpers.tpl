@@ -158,13 +158,6 @@ rbac.unfencedPodWrites alike.
 {{- toJson (dict "fenced" $fenced "patch" $patch "evict" $evict "mark" $mark "repairAction" $action "escaped" $escaped "degraded" $degraded) -}}
 {{- end -}}
 
-{{/*
-An action as the agent's flags name it: evict is passed as delete, the name every agent
-version reads (the agent takes delete as evict).
-*/}}
-{{- define "meshcni.agentAction" -}}
-{{- eq . "evict" | ternary "delete" . -}}
-{{- end -}}
 
 {{/*
 The taint controller's node selector (--node-selector): taintController.nodeSelectorLabels,
