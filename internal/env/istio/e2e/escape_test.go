@@ -162,8 +162,8 @@ func escapeCase(ctx context.Context, t *testing.T, tb *testbed.Testbed, ns, name
 	}
 	switch action {
 	case audit.ActionDelete:
-		if !strings.Contains(msg, "pod deleted") {
-			t.Errorf("%s: Event message %q: want the deletion", p.Name, msg)
+		if !strings.Contains(msg, "pod evicted") {
+			t.Errorf("%s: Event message %q: want the eviction", p.Name, msg)
 		}
 		gone := waitUntil(ctx, t, wait, p.Name+" deleted", func() error {
 			got, err := tb.Client.CoreV1().Pods(ns).Get(ctx, p.Name, metav1.GetOptions{})
